@@ -4,6 +4,8 @@ Used by the learner every `eval.every` steps and at the end, and by `python trai
 """
 from dataclasses import dataclass
 
+import torch
+
 import tasks
 from engines.cpu import CPUEngine, Request, SamplingParams
 from rewards.pool import RewardPool
@@ -20,14 +22,35 @@ class EvalSpec:
     seed: int
     reward_workers: int
     reward_timeout_s: float
+    dtype: str = "float32"  # the engine's weights, as in rollout.dtype
 
 
 def evaluate(model, tokenizer, task, spec: EvalSpec) -> dict:
-    examples = task.test[: spec.max_examples] if spec.max_examples else task.test
-    if not examples:
-        return {}
-    prompts = [tasks.prompt_ids(tokenizer, ex.question) for ex in examples]
-    engine = CPUEngine(model, max_batch=64, max_len=max(map(len, prompts)) + spec.max_new_tokens, seed=spec.seed)
+    return Evaluator(model, tokenizer, task, spec)()
+
+
+class Evaluator:
+    """An engine kept for repeated evaluations: the learner loads each new policy into `weight_tensors()`
+    and calls it, without holding a second Hugging Face model."""
+
+    def __init__(self, model, tokenizer, task, spec: EvalSpec):
+        self.tokenizer, self.task, self.spec = tokenizer, task, spec
+        self.examples = task.test[: spec.max_examples] if spec.max_examples else task.test
+        self.prompts = [tasks.prompt_ids(tokenizer, ex.question) for ex in self.examples]
+        longest = max(map(len, self.prompts), default=0)
+        self.engine = CPUEngine(model, max_batch=64, max_len=longest + spec.max_new_tokens, seed=spec.seed,
+                                dtype=getattr(torch, spec.dtype))
+
+    def weight_tensors(self) -> dict:
+        return self.engine.weight_tensors()
+
+    def __call__(self) -> dict:
+        if not self.examples:
+            return {}
+        return _score(self.engine, self.tokenizer, self.task, self.spec, self.examples, self.prompts)
+
+
+def _score(engine, tokenizer, task, spec, examples, prompts) -> dict:
     greedy = SamplingParams(0.0, 1.0, spec.max_new_tokens, spec.stop_ids)
     sampled = SamplingParams(spec.temperature, 1.0, spec.max_new_tokens, spec.stop_ids)
     requests = [Request(i, p, greedy) for i, p in enumerate(prompts)]

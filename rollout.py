@@ -36,6 +36,10 @@ class WorkerSpec:
     sampling: SamplingParams
     reward_workers: int = 1  # verifier processes (0: score in this process, no timeout)
     reward_timeout_s: float = 5.0  # a verifier slower than this scores 0 and is counted
+    dtype: str = "float32"  # the engine's weights: float32 | bfloat16
+    init_path: str = ""  # starting weights (a checkpoint when resuming); "" = model_path
+    start_version: int = 0  # policy version of those weights
+    first_group: int = 0  # groups of this worker already delivered (resuming): skip their prompts
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -59,15 +63,19 @@ def run(spec: WorkerSpec, ring, gate, store, gen_stats, stop) -> None:
 def _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-    engine = CPUEngine(model, max_batch=spec.max_batch, max_len=spec.max_len, seed=spec.seed * 1000 + spec.worker_id)
+    model = AutoModelForCausalLM.from_pretrained(spec.init_path or spec.model_path, dtype=torch.float32)
+    engine = CPUEngine(model, max_batch=spec.max_batch, max_len=spec.max_len, seed=spec.seed * 1000 + spec.worker_id,
+                       dtype=getattr(torch, spec.dtype))
     del model
+    engine.set_version(spec.start_version)
     weights = engine.weight_tensors()
     stream = prompt_stream(len(task.train), spec.worker_id, spec.num_workers, spec.seed)
+    for _ in range(spec.first_group):
+        next(stream)
     k = spec.group_size
     open_groups: dict[int, tuple[int, dict]] = {}  # group id -> (prompt index, {sample: Completion})
     scoring: list[tuple] = []  # (completions, prompt index, group id, reward handle), oldest first
-    next_group = 0
+    next_group = spec.first_group
 
     def start_group():
         nonlocal next_group

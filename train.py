@@ -1,13 +1,16 @@
 """ringrl: asynchronous RL post-training of language models on one machine.
 
-    python train.py                               # GRPO, arithmetic task, SmolLM2-135M, on the CPU
+    python train.py                               # Trajectory Balance, arithmetic task, SmolLM2-135M, on the CPU
     python train.py max_staleness=0               # the synchronous baseline of the same code
     python train.py -m max_staleness=0,1,2,4      # a sweep, one run after another
     python train.py model.path=<HF dir or hub id> steps=100 train.lr=1e-5
+    python train.py resume=outputs/<date>/<time>  # continue a run from its latest checkpoint
+    python plot.py multirun/<date>/<time>         # a sweep side by side: sweep.png and a table
 
 Rollout workers generate while trainer ranks learn; trajectories cross through a shared-memory ring,
 weights come back after every optimizer step, and `max_staleness` bounds how old the data may be.
-Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, checkpoints/step_N/, summary.json.
+Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, curves.png, checkpoints/step_N/,
+summary.json.
 """
 import json
 import os
@@ -24,8 +27,14 @@ from launch.config import Config, build, check_overrides
 
 
 def main(raw) -> None:
+    if raw.resume:
+        raw = _resumed(raw)
     cfg, algo_cfg, task_cfg = _parse(raw)
     run_dir = HydraConfig.get().runtime.output_dir
+    from trainer.logger import check_backend
+
+    _or_exit(check_backend, cfg.logger)
+    resume = _or_exit(_resume_point, run_dir) if cfg.resume else None
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.to_container(raw, resolve=True)))
 
@@ -52,14 +61,16 @@ def main(raw) -> None:
     max_prompt_len = _max_prompt_len(model_path, task)
     rollout, train, cluster = cfg.rollout, cfg.train, cfg.cluster
     eval_spec = EvalSpec(cfg.eval.k, cfg.eval.temperature, rollout.max_new_tokens, cfg.eval.max_examples,
-                         _stop_ids(model_path), cfg.seed, cfg.reward.workers, cfg.reward.timeout_s)
+                         _stop_ids(model_path), cfg.seed, cfg.reward.workers, cfg.reward.timeout_s, cfg.rollout.dtype)
     if cfg.eval.only:
         return _evaluate_only(model_path, task, eval_spec, run_dir)
 
     # Every shared object exists before the first spawn; children receive them as arguments.
-    ring = TrajectoryRing((cfg.max_staleness + 1) * train.batch_groups + cluster.rollout_workers,
-                          rollout.group_size, max_prompt_len, rollout.max_new_tokens)
-    gate = StalenessGate(train.batch_groups, cfg.max_staleness)
+    # Each worker owns a lane of slots; one lane can hold every group the staleness bound lets it start.
+    lane = (cfg.max_staleness + 1) * train.batch_groups + 1
+    ring = TrajectoryRing(cluster.rollout_workers * lane, rollout.group_size, max_prompt_len, rollout.max_new_tokens,
+                          num_producers=cluster.rollout_workers)
+    gate = StalenessGate(train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0)
     store = WeightStore.for_model(_meta_model(model_path))
     gen_stats = torch.zeros(cluster.rollout_workers, 4, dtype=torch.long).share_memory_()  # see rollout.TOKENS
 
@@ -70,24 +81,62 @@ def main(raw) -> None:
     error = None
     try:
         for w in range(cluster.rollout_workers):
-            spec = _worker_spec(cfg, task_cfg, w, model_path, max_prompt_len)
+            spec = _worker_spec(cfg, task_cfg, w, model_path, max_prompt_len, resume)
             sup.start(f"rollout-{w}", run_worker, (spec, *shared), cluster.threads_per_process)
         for r in range(cluster.trainer_ranks):
-            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, port, model_path, run_dir, eval_spec)
+            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, port, model_path, run_dir, eval_spec, resume,
+                                 OmegaConf.to_container(raw, resolve=True))
             sup.start(f"trainer-{r}", run_learner, (spec, *shared), cluster.threads_per_process, essential=True)
         error = sup.watch()
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
         sup.shutdown()
-        _write_summary(run_dir, start, error)
+        _write_summary(run_dir, start, error, sup.peak_mb)
+        _draw_curves(run_dir)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(130 if error == "interrupted" else 1)
     print(f"done: {run_dir}")
 
 
-def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: int):
+def _resumed(raw):
+    """`resume=<run dir>`: that run's saved config, with this command's plain `key=value` overrides on top."""
+    from launch.config import GROUPS
+
+    path = os.path.join(raw.resume, "config.yaml")
+    if not os.path.exists(path):
+        print(f"error: resume={raw.resume} has no config.yaml; pass the directory of a ringrl run", file=sys.stderr)
+        sys.exit(2)
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra."))]
+    for o in overrides:
+        if o.partition("=")[0] in GROUPS:
+            print(f"error: resume cannot change '{o}'; start a new run for another {o.partition('=')[0]}",
+                  file=sys.stderr)
+            sys.exit(2)
+    merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    merged.resume = raw.resume
+    return merged
+
+
+def _resume_point(run_dir) -> dict:
+    from trainer.checkpoint import latest_resumable, load_progress
+
+    step, path = latest_resumable(run_dir)
+    return {**load_progress(path), "step": step, "path": path}
+
+
+def _draw_curves(run_dir):
+    """curves.png beside metrics.jsonl; a plotting failure must not fail the run."""
+    try:
+        import plot
+
+        plot.run_curves(run_dir)
+    except Exception as e:
+        print(f"warning: curves.png not drawn: {str(e).splitlines()[0]}", file=sys.stderr)
+
+
+def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: int, resume: dict | None):
     from engines.cpu import SamplingParams
     from rollout import WorkerSpec
 
@@ -95,10 +144,12 @@ def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: in
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, _stop_ids(model_path))
     return WorkerSpec(worker, cfg.cluster.rollout_workers, cfg.seed, model_path, task_cfg.name, task_cfg,
                       r.group_size, r.max_batch, max_prompt_len + r.max_new_tokens, sampling, cfg.reward.workers,
-                      cfg.reward.timeout_s)
+                      cfg.reward.timeout_s, r.dtype, resume["path"] if resume else "",
+                      resume["step"] if resume else 0, resume["next_group"].get(worker, 0) if resume else 0)
 
 
-def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str, run_dir: str, eval_spec):
+def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str, run_dir: str, eval_spec,
+                  resume: dict | None, config: dict):
     from trainer.learner import LearnerSpec
 
     train, buffer = cfg.train, cfg.buffer
@@ -111,7 +162,10 @@ def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str
         algo=algo_cfg.name, algo_cfg=algo_cfg, checkpoint_every=cfg.checkpoint.every,
         progress=cfg.progress and rank == 0, sampler=_sampler(buffer.sampler, algo_cfg.name),
         recent_prob=buffer.recent_prob, inv_temp=buffer.inv_temp, per_prompt_capacity=buffer.per_prompt_capacity,
-        task=task_cfg.name, task_cfg=task_cfg, eval_every=cfg.eval.every, eval=eval_spec)
+        task=task_cfg.name, task_cfg=task_cfg, eval_every=cfg.eval.every, eval=eval_spec,
+        num_workers=cfg.cluster.rollout_workers, init_path=resume["path"] if resume else "",
+        start_step=resume["step"] if resume else 0, checkpoint_keep=cfg.checkpoint.keep, logger=cfg.logger,
+        config=config)
 
 
 def _evaluate_only(model_path, task, spec, run_dir) -> None:
@@ -195,7 +249,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_summary(run_dir, start, error):
+def _write_summary(run_dir, start, error, peak_mb):
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -210,7 +264,9 @@ def _write_summary(run_dir, start, error):
         "wall_s": round(time.time() - start, 2),
         "reward_first_quarter": sum(rewards[:quarter]) / quarter if rewards else None,
         "reward_last_quarter": sum(rewards[-quarter:]) / quarter if rewards else None,
-        # Largest resident set of any one process (children that have exited, and the launcher).
+        # The run's memory: proportional resident set (shared memory counted once) summed over every process,
+        # sampled each second; and the largest resident set of any one process.
+        "peak_memory_mb": round(peak_mb),
         "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
     }
@@ -222,6 +278,9 @@ if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM shuts down like Ctrl-C
+    resume = [a.partition("=")[2] for a in sys.argv[1:] if a.startswith("resume=")]
+    if resume and resume[-1] and not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
+        sys.argv.append(f"hydra.run.dir={resume[-1]}")  # a resumed run continues in its own directory
     try:
         check_overrides([a for a in sys.argv[1:]])
     except ValueError as e:

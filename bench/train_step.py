@@ -38,7 +38,7 @@ def batch(tokenizer, groups=8, k=8, seed=0):
 
 def measure(path, tokenizer, autocast: bool, steps: int, algo: str) -> tuple[float, int, float]:
     spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=path, run_dir="", steps=steps, seed=0, max_staleness=0,
-                       batch_groups=8, micro_groups=2, group_size=8, max_new_tokens=16, temperature=1.0, lr=1e-6,
+                       batch_groups=8, micro_groups=8, group_size=8, max_new_tokens=16, temperature=1.0, lr=1e-6,
                        weight_decay=0.0, grad_clip=1.0, autocast=autocast, algo=algo,
                        algo_cfg=algos.get(algo).Config(), checkpoint_every=0, progress=False)
     learner = Learner(spec)

@@ -166,6 +166,32 @@ class ReplayBuffer:
         self._next_id -= 1
         return group
 
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: tensors and plain values only (safe for weights_only loads)."""
+        return {
+            "rng": self._rng.getstate(), "gen": self._gen.get_state(), "group_size": self._group_size,
+            "fresh": [vars(g).copy() for g in self._fresh], "prompt_ids": dict(self._prompt_ids),
+            "history": {p: [vars(c).copy() for c in h.values()] for p, h in self._history.items()},
+            "replayable": list(self._replayable), "next_id": self._next_id, "duplicates": self._duplicates,
+            "last": dict(self._last),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.setstate(_as_tuples(state["rng"]))
+        self._gen.set_state(state["gen"])
+        self._group_size = state["group_size"]
+        self._fresh = deque(Group(**g) for g in state["fresh"])
+        self._prompt_ids = dict(state["prompt_ids"])
+        self._history = {p: {tuple(c["token_ids"].tolist()): Completion(**c) for c in h}
+                         for p, h in state["history"].items()}
+        self._replayable = list(state["replayable"])
+        self._next_id, self._duplicates, self._last = state["next_id"], state["duplicates"], dict(state["last"])
+
     def stats(self) -> dict[str, float]:
         """About the last sample() (zeros before the first); duplicates_dropped counts since construction."""
         return {**self._last, "buffer/duplicates_dropped": float(self._duplicates)}
+
+
+def _as_tuples(value):
+    """random.setstate wants the nested tuples that getstate gave, whatever a round trip turned them into."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -1,13 +1,23 @@
 """A fixed-slot shared-memory ring of trajectory groups: many producers, one consumer, back-pressure when full.
 
-Every slot is a set of preallocated shared tensors. A producer claims a FREE slot under the lock, writes
-its group outside the lock (slots are disjoint, so producers write in parallel), then publishes it READY
-with the next sequence number. The consumer reads READY slots in sequence order, copies the data out and
-frees the slot. Only small control messages (semaphores) cross process boundaries; the data never is pickled.
+Each producer (rollout worker) owns a lane of slots that only it fills, so producers never contend and no lock
+is shared: a producer killed at any instant holds nothing that could block the others. A slot goes FREE ->
+WRITING -> READY in its producer and READY -> FREE in the consumer, each step one 8-byte store by the only
+process allowed to make it (or by `reclaim` once that producer is dead). The producer copies the group into
+the slot as one byte record, writes its sizes and publish time, then marks it READY; the consumer takes the
+READY slot published first (FIFO across lanes), copies the fields out and frees the slot. Only
+semaphores cross process boundaries; the data is never pickled.
 
-A producer killed while WRITING leaks its slot (and may leave the lock held if killed inside it): the
-launcher treats any dead worker as fatal and tears the ring down, so no recovery is attempted here.
+Semaphores count slots (FREE per lane, READY overall) so that waiting never spins, but the states are the
+truth: a waiter that wakes to find nothing waits again. After a producer dies, the launcher calls
+`reclaim(worker_id)`: the slot it was writing goes back to FREE, the groups it published stay (each is
+delivered once), and both semaphores are recounted from the states, which repairs a count the producer took
+or never gave because it died between two steps.
+
+Like engines/weights.py, this relies on stores becoming visible in program order (x86-64).
 """
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +25,21 @@ import torch.multiprocessing as mp
 
 FREE, WRITING, READY = 0, 1, 2
 # Columns of the per-slot metadata row.
-PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID = range(5)
+PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID, PUBLISHED_NS = range(6)
+# A slot holds one group as a single byte record, so a put and a get each copy it in one call. The int64
+# fields come first, then float32, then bool: every field starts aligned for its dtype.
+FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("completion_lens", torch.int64),
+          ("versions", torch.int64), ("logprobs", torch.float32), ("rewards", torch.float32),
+          ("truncated", torch.bool))
+
+
+def _shapes(P: int, K: int, N: int) -> list[tuple]:
+    """The shapes of FIELDS for a prompt of P tokens and K completions of width N."""
+    return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,)]
+
+
+def _sizes(shapes: list[tuple]) -> list[int]:
+    return [math.prod(shape) * dtype.itemsize for shape, (_, dtype) in zip(shapes, FIELDS)]
 
 
 @dataclass
@@ -31,7 +55,7 @@ class Group:
     truncated: torch.Tensor  # bool [K], hit max_new_tokens without a stop token
     prompt_index: int
     group_id: int
-    worker_id: int
+    worker_id: int  # the producer's lane in the ring
 
     def min_version(self) -> int:
         """Oldest policy version among the valid (non-padding) completion tokens; 0 if there are none."""
@@ -45,79 +69,89 @@ def _shared(*shape, dtype):
 
 
 class TrajectoryRing:
-    def __init__(self, num_slots: int, group_size: int, max_prompt_len: int, max_new_tokens: int, ctx=None):
-        """Allocate every slot. Call in the launcher before spawning; pass the ring to children as a Process arg."""
-        if num_slots < 1 or group_size < 1 or max_prompt_len < 1 or max_new_tokens < 1:
-            raise ValueError("TrajectoryRing sizes must all be >= 1")
+    def __init__(self, num_slots: int, group_size: int, max_prompt_len: int, max_new_tokens: int,
+                 num_producers: int = 1, ctx=None):
+        """Allocate every slot: `num_slots` split into one lane per producer (rounded up), so one producer can
+        hold at most ceil(num_slots / num_producers) unread groups. Call in the launcher before spawning; pass
+        the ring to children as a Process arg."""
+        if min(num_slots, group_size, max_prompt_len, max_new_tokens, num_producers) < 1:
+            raise ValueError("TrajectoryRing sizes and num_producers must all be >= 1")
         ctx = ctx or mp.get_context("spawn")
-        self.num_slots, self.group_size = num_slots, group_size
+        self.num_producers, self.lane_slots = num_producers, math.ceil(num_slots / num_producers)
+        self.num_slots, self.group_size = num_producers * self.lane_slots, group_size
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
-        S, K, N = num_slots, group_size, max_new_tokens
-        self._prompt_ids = _shared(S, max_prompt_len, dtype=torch.int64)
-        self._completion_ids = _shared(S, K, N, dtype=torch.int64)
-        self._completion_lens = _shared(S, K, dtype=torch.int64)
-        self._logprobs = _shared(S, K, N, dtype=torch.float32)
-        self._versions = _shared(S, K, N, dtype=torch.int64)
-        self._rewards = _shared(S, K, dtype=torch.float32)
-        self._truncated = _shared(S, K, dtype=torch.bool)
-        self._meta = _shared(S, 5, dtype=torch.int64)
+        S = self.num_slots
+        record_bytes = sum(_sizes(_shapes(max_prompt_len, group_size, max_new_tokens)))
+        self._records = _shared(S, math.ceil(record_bytes / 8) * 8, dtype=torch.uint8)  # every record 8-byte aligned
+        self._meta = _shared(S, 6, dtype=torch.int64)
         self._state = _shared(S, dtype=torch.int64)
-        self._seq = _shared(S, dtype=torch.int64)
-        self._counters = _shared(2, dtype=torch.int64)  # [next sequence to publish, next sequence to read]
-        self._lock = ctx.Lock()
-        self._free = ctx.Semaphore(num_slots)  # counts FREE slots: producers block here when the ring is full
-        self._ready = ctx.Semaphore(0)  # counts READY slots: the consumer blocks here when it is empty
+        self._free = [ctx.Semaphore(self.lane_slots) for _ in range(num_producers)]  # a full lane blocks its producer
+        self._ready = ctx.Semaphore(0)  # the consumer blocks here while nothing is READY
 
     def __len__(self) -> int:
         return int((self._state == READY).sum())
 
     def put(self, group: Group, timeout: float | None = None) -> bool:
-        """Write one group; blocks while the ring is full (never drops). False only if `timeout` ran out."""
+        """Write one group into its producer's lane (`group.worker_id`); blocks while the lane is full (never
+        drops). False only if `timeout` ran out. One process per worker id."""
         self._check(group)
-        if not self._free.acquire(timeout=timeout):
-            return False
-        with self._lock:
-            slot = int((self._state == FREE).nonzero()[0])
-            self._state[slot] = WRITING
+        lane = self._lane(group.worker_id)
+        parts = [getattr(group, name).to(dtype).reshape(-1).view(torch.uint8) for name, dtype in FIELDS]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not self._free[group.worker_id].acquire(timeout=_left(deadline)):
+                return False
+            free = (self._state[lane] == FREE).nonzero()
+            if len(free):
+                break
+        slot = lane.start + int(free[0])
+        self._state[slot] = WRITING
+        record = self._records[slot, :sum(part.numel() for part in parts)]
+        torch.cat(parts, out=record)
         P, N = group.prompt_ids.shape[0], group.completion_ids.shape[1]
-        self._prompt_ids[slot, :P] = group.prompt_ids
-        self._completion_ids[slot, :, :N] = group.completion_ids
-        self._completion_lens[slot] = group.completion_lens
-        self._logprobs[slot, :, :N] = group.logprobs
-        self._versions[slot, :, :N] = group.versions
-        self._rewards[slot] = group.rewards
-        self._truncated[slot] = group.truncated
-        self._meta[slot] = torch.tensor([P, N, group.prompt_index, group.group_id, group.worker_id])
-        with self._lock:
-            self._seq[slot] = self._counters[0]
-            self._counters[0] += 1
-            self._state[slot] = READY
+        # CLOCK_MONOTONIC is one clock for all processes, so publish times order groups across lanes.
+        self._meta[slot] = torch.tensor([P, N, group.prompt_index, group.group_id, group.worker_id, time.monotonic_ns()])
+        self._state[slot] = READY
         self._ready.release()
         return True
 
     def get(self, timeout: float | None = None) -> Group | None:
         """Take the oldest published group (single consumer). Its tensors are copies; the slot is freed at once."""
-        if not self._ready.acquire(timeout=timeout):
-            return None
-        with self._lock:
-            # Producers publish under the lock with consecutive numbers, so the one we want is always READY.
-            slot = int(((self._state == READY) & (self._seq == self._counters[1])).nonzero()[0])
-            self._counters[1] += 1
-        P, N, prompt_index, group_id, worker_id = self._meta[slot].tolist()
-        group = Group(
-            prompt_ids=self._prompt_ids[slot, :P].clone(),
-            completion_ids=self._completion_ids[slot, :, :N].clone(),
-            completion_lens=self._completion_lens[slot].clone(),
-            logprobs=self._logprobs[slot, :, :N].clone(),
-            versions=self._versions[slot, :, :N].clone(),
-            rewards=self._rewards[slot].clone(),
-            truncated=self._truncated[slot].clone(),
-            prompt_index=prompt_index, group_id=group_id, worker_id=worker_id,
-        )
-        with self._lock:
-            self._state[slot] = FREE
-        self._free.release()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not self._ready.acquire(timeout=_left(deadline)):
+                return None
+            ready = (self._state == READY).nonzero()[:, 0]
+            if len(ready):
+                break
+        slot = int(ready[self._meta[ready, PUBLISHED_NS].argmin()])
+        P, N, prompt_index, group_id, worker_id, _ = self._meta[slot].tolist()
+        shapes = _shapes(P, self.group_size, N)
+        sizes = _sizes(shapes)
+        # A copy per field: one shared buffer would let any field kept alone (the replay buffer keeps prompts)
+        # hold, and checkpoint, the whole group.
+        record = self._records[slot, :sum(sizes)]
+        fields = {name: part.view(dtype).view(shape).clone()
+                  for (name, dtype), part, shape in zip(FIELDS, record.split(sizes), shapes)}
+        group = Group(**fields, prompt_index=prompt_index, group_id=group_id, worker_id=worker_id)
+        self._state[slot] = FREE
+        self._free[slot // self.lane_slots].release()
         return group
+
+    def reclaim(self, worker_id: int) -> int:
+        """After producer `worker_id` died (call only once its process is gone, before a replacement starts):
+        free the slots it was writing, keep the groups it published. Returns how many partial groups were dropped."""
+        lane = self._state[self._lane(worker_id)]
+        writing = lane == WRITING
+        lane[writing] = FREE
+        _recount(self._free[worker_id], lambda: int((lane == FREE).sum()))
+        _recount(self._ready, lambda: len(self))
+        return int(writing.sum())
+
+    def _lane(self, worker_id: int) -> slice:
+        if not 0 <= worker_id < self.num_producers:
+            raise ValueError(f"worker_id={worker_id} has no lane: the ring was built for num_producers={self.num_producers}")
+        return slice(worker_id * self.lane_slots, (worker_id + 1) * self.lane_slots)
 
     def _check(self, group: Group) -> None:
         K, N = self.group_size, group.completion_ids.shape[-1]
@@ -133,5 +167,19 @@ class TrajectoryRing:
         for name in ("completion_lens", "rewards", "truncated"):
             if getattr(group, name).shape != (K,):
                 raise ValueError(f"{name} must have shape [K={K}], got {tuple(getattr(group, name).shape)}")
-        if bool((group.completion_lens > N).any()) or bool((group.completion_lens < 0).any()):
-            raise ValueError(f"completion_lens must lie in [0, N={N}], got {group.completion_lens.tolist()}")
+        lens = group.completion_lens.tolist()  # K numbers: cheaper in Python than as tensor ops
+        if min(lens) < 0 or max(lens) > N:
+            raise ValueError(f"completion_lens must lie in [0, N={N}], got {lens}")
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _recount(semaphore, count) -> None:
+    """Set a semaphore to count(): drain it first, so a count given meanwhile is seen in the states (at worst
+    one extra, which its waiter absorbs by finding nothing and waiting again)."""
+    while semaphore.acquire(block=False):
+        pass
+    for _ in range(count()):
+        semaphore.release()

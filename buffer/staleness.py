@@ -14,12 +14,13 @@ STARTED, VERSION = 0, 1
 class StalenessGate:
     """AReaL's bound: a worker may start a new group only while groups_started + 1 <= (eta + version + 1) * batch_groups."""
 
-    def __init__(self, batch_groups: int, max_staleness: int, ctx=None):
+    def __init__(self, batch_groups: int, max_staleness: int, ctx=None, version: int = 0):
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError(f"need batch_groups >= 1 and max_staleness >= 0, got {batch_groups}, {max_staleness}")
         ctx = ctx or mp.get_context("spawn")
         self.batch_groups, self.max_staleness = batch_groups, max_staleness
-        self._counts = torch.zeros(2, dtype=torch.int64).share_memory_()  # [started, version]
+        # A resumed run at version v has had exactly v * B groups delivered: that is its starting budget use.
+        self._counts = torch.tensor([version * batch_groups, version], dtype=torch.int64).share_memory_()
         self._cond = ctx.Condition(ctx.Lock())
 
     @property

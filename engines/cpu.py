@@ -90,9 +90,28 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> tor
     return (b * block + inner).squeeze(1)
 
 
+def counter_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) that is a pure function of (seed, key, position): splitmix64 on int64 tensors.
+
+    Sampling token `position` of request `key` then draws the same number whatever else shares the batch and
+    whenever it runs, so a seed fixes every completion (and a resumed run draws what the uninterrupted one did).
+    """
+    def shift(z, bits):  # logical right shift on int64
+        return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+    salt = (seed * 0x3C6E_F372_FE94_F82B) % 2**64
+    salt -= 2**64 if salt >= 2**63 else 0  # as a signed int64; tensor products below wrap around the same way
+    z = (keys * 0x1_0000_0001 + positions + salt) * -7046029254386353131  # 0x9E3779B97F4A7C15
+    z = (z ^ shift(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ shift(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ shift(z, 31)
+    return shift(z, 11).double().mul_(2.0 ** -53).float()
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, V] float32 -> tokens [n], and their logprobs under softmax(logits / T) (T = 1 for greedy)."""
+           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] float32, uniforms u [n] -> tokens [n], and their logprobs under softmax(logits / T)
+    (T = 1 for greedy)."""
     greedy = temperature == 0
     divisor = torch.where(greedy, 1.0, temperature)
     scaled = logits if bool((divisor == 1).all()) else logits.div_(divisor[:, None])  # logits are ours to overwrite
@@ -101,10 +120,24 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     log_norm = peak.squeeze(1) + weights.sum(dim=-1).log()
     if bool((top_p < 1).any()):
         weights = nucleus(weights, top_p)
-    tokens = inverse_cdf(weights, torch.rand(len(weights), generator=generator))
+    tokens = inverse_cdf(weights, u)
     if bool(greedy.any()):
         tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm
+
+
+def check_request(request: Request, max_len: int | None = None) -> None:
+    """The promises every engine asks of a request, as one-line ValueErrors."""
+    n_prompt, params = len(request.prompt_ids), request.params
+    if n_prompt == 0:
+        raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if max_len is not None and n_prompt + params.max_new_tokens > max_len:
+        raise ValueError(f"request {request.request_id}: prompt {n_prompt} + max_new_tokens "
+                         f"{params.max_new_tokens} > max_len {max_len}; raise max_len or shorten it")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
 
 
 class CPUEngine:
@@ -114,7 +147,7 @@ class CPUEngine:
             self.model = Llama(model, dtype, max_len)
         self.max_batch, self.max_len = max_batch, max_len
         self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -123,6 +156,7 @@ class CPUEngine:
         self.slot_token = torch.zeros(max_batch, dtype=torch.long)  # the token to feed next
         self.slot_pos = torch.zeros(max_batch, dtype=torch.long)    # its position = tokens already cached
         self.slot_temperature = torch.ones(max_batch)
+        self.slot_request = torch.zeros(max_batch, dtype=torch.long)  # request id: the sampling stream's key
         self.slot_top_p = torch.ones(max_batch)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
@@ -141,16 +175,7 @@ class CPUEngine:
         return len(self.free)
 
     def add(self, request: Request) -> None:
-        n_prompt, params = len(request.prompt_ids), request.params
-        if n_prompt == 0:
-            raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if n_prompt + params.max_new_tokens > self.max_len:
-            raise ValueError(f"request {request.request_id}: prompt {n_prompt} + max_new_tokens "
-                             f"{params.max_new_tokens} > max_len {self.max_len}; raise max_len or shorten it")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
+        check_request(request, self.max_len)
         self.waiting.append(request)
 
     def step(self) -> list[Completion]:
@@ -185,6 +210,7 @@ class CPUEngine:
             self.slot_token[slot] = request.prompt_ids[-1]
             self.slot_pos[slot] = len(request.prompt_ids) - 1
             self.slot_temperature[slot] = request.params.temperature
+            self.slot_request[slot] = request.request_id
             self.slot_top_p[slot] = request.params.top_p
         # K samples of one prompt share its prefix: compute it once, copy its cache into each slot.
         prefixes: dict[tuple[int, ...], int] = {}
@@ -204,7 +230,8 @@ class CPUEngine:
         pos = self.slot_pos[active]
         logits = self.model.decode(self.k_cache, self.v_cache, self.slot_token[active], pos, active,
                                    int(pos.max()) + 1)
-        tokens, logprobs = sample(logits, self.slot_temperature[active], self.slot_top_p[active], self.generator)
+        u = counter_uniform(self.seed, self.slot_request[active], pos)
+        tokens, logprobs = sample(logits, self.slot_temperature[active], self.slot_top_p[active], u)
         self.slot_token[active] = tokens
         self.slot_pos[active] += 1
         finished = []

@@ -42,6 +42,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling threshold
     max_new_tokens: int = 16  # completion budget per sample
     max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
+    dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls
 
     def check(self):
         _require(self.group_size >= 2, "rollout.group_size", "must be >= 2", self.group_size)
@@ -49,12 +50,13 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
         _require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size", self.max_batch)
+        _require(self.dtype in ("bfloat16", "float32"), "rollout.dtype", "must be bfloat16 or float32", self.dtype)
 
 
 @dataclass
 class TrainConfig:
     batch_groups: int = 8  # B: prompts (groups of K) per optimizer step
-    micro_groups: int = 2  # groups per forward/backward pass (memory vs speed)
+    micro_groups: int = 8  # groups per forward/backward pass (memory vs speed)
     lr: float = 2e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
@@ -112,9 +114,11 @@ class BufferConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end)
+    keep: int = 0  # newest checkpoints kept on disk (0: all)
 
     def check(self):
         _require(self.every >= 0, "checkpoint.every", "must be >= 0", self.every)
+        _require(self.keep >= 0, "checkpoint.keep", "must be >= 0", self.keep)
 
 
 @dataclass
@@ -133,10 +137,14 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     progress: bool = True  # show a progress bar
+    logger: str = "none"  # none | tensorboard | wandb: where metrics go besides metrics.jsonl
+    resume: str = ""  # a run directory: continue it in place from its latest checkpoint
 
     def check(self):
         _require(self.steps >= 1, "steps", "must be >= 1", self.steps)
         _require(self.max_staleness >= 0, "max_staleness", "must be >= 0", self.max_staleness)
+        _require(self.logger in ("none", "tensorboard", "wandb"), "logger", "must be none, tensorboard or wandb",
+                 self.logger)
         _require(self.buffer.sampler != "tba" or self.buffer.per_prompt_capacity >= self.rollout.group_size,
                  "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
                  self.buffer.per_prompt_capacity)

@@ -11,6 +11,8 @@ from multiprocessing.connection import wait
 
 import torch
 
+from launch.memory import tree_pss_mb
+
 
 def _child_main(name, target, args, errors, threads):
     _die_with_parent(name)
@@ -42,6 +44,7 @@ class Supervisor:
         self.errors = self.ctx.Queue()
         self.procs: dict[str, mp.Process] = {}
         self.essential: set[str] = set()  # processes whose clean exit means the run is done
+        self.peak_mb = 0.0  # largest total memory of the launcher and all its processes, sampled every second
 
     def start(self, name: str, target, args: tuple, threads: int, essential: bool = False) -> None:
         proc = self.ctx.Process(target=_child_main, args=(name, target, args, self.errors, threads), name=name)
@@ -56,6 +59,7 @@ class Supervisor:
         while True:
             live = {p.sentinel: name for name, p in self.procs.items() if name not in finished}
             wait(list(live), timeout=1.0)
+            self.peak_mb = max(self.peak_mb, tree_pss_mb())
             for name, proc in self.procs.items():
                 if name in finished or proc.exitcode is None:
                     continue

@@ -14,6 +14,7 @@ class Config:
     name: str = "arithmetic"
     max_operand: int = 9  # operands drawn from 0..max_operand
     test_size: int = 20  # (a, b) pairs held out for the test split
+    reward: str = "arithmetic"  # the verifier: a registered name or "package.module:function" (ablations, tests)
 
     def check(self):
         pairs = (self.max_operand + 1) ** 2
@@ -27,4 +28,4 @@ def build(cfg: Config, seed: int) -> Task:
     pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
     random.Random(seed).shuffle(pairs)
     examples = [Example(f"What is {a} + {b}? Reply with just the number.", str(a + b)) for a, b in pairs]
-    return Task(reward="arithmetic", train=examples[cfg.test_size:], test=examples[:cfg.test_size])
+    return Task(reward=cfg.reward, train=examples[cfg.test_size:], test=examples[:cfg.test_size])

@@ -162,7 +162,7 @@ def test_sampler_follows_the_nucleus_distribution():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * 300)
     logits = probs.clamp_min(1e-30).log().expand(20000, -1).clone()
     g = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(logits, torch.ones(20000), torch.full((20000,), 0.8), g)
+    tokens, logprobs = sample(logits, torch.ones(20000), torch.full((20000,), 0.8), torch.rand(20000, generator=g))
     counts = torch.bincount(tokens, minlength=305).float() / 20000
     # 0.4 + 0.3 < 0.8 <= 0.4 + 0.3 + 0.15: the nucleus is tokens {0, 1, 2}, renormalised.
     torch.testing.assert_close(counts[:3], torch.tensor([0.4, 0.3, 0.15]) / 0.85, atol=0.015, rtol=0)
@@ -210,3 +210,25 @@ def test_unsupported_architecture_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         CPUEngine(gpt2)
+
+
+def test_counter_uniform_is_a_fixed_uniform_stream():
+    from engines.cpu import counter_uniform
+
+    keys, pos = torch.arange(200_000) // 100, torch.arange(200_000) % 100
+    u = counter_uniform(7, keys, pos)
+    assert torch.equal(u, counter_uniform(7, keys, pos)) and not torch.equal(u, counter_uniform(8, keys, pos))
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    hist = torch.histc(u, bins=10, min=0, max=1) / len(u)
+    assert (hist - 0.1).abs().max() < 0.005
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.01  # neighbours independent
+
+
+def test_a_request_samples_the_same_tokens_in_any_batch(model):
+    # the draw for token t of request r depends on (seed, r, t) only, not on what else is decoding
+    prompts = random_prompts([4, 9, 4, 6])
+    requests = [Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts)]
+    together = CPUEngine(model, max_batch=4, max_len=32, seed=3).generate(requests)
+    alone = [CPUEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0] for r in requests[::-1]][::-1]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]

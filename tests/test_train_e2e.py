@@ -31,6 +31,8 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert (tmp_path / "config.yaml").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
+    # the whole run's memory: more than one process's worth, less than the machine
+    assert 0 < summary["peak_memory_mb"] < 24 * 1024
     assert shm_files() <= before
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,6 +130,29 @@ def test_every_rule_runs_in_one_sweep(tiny_model_dir, tmp_path):
         assert [r["step"] for r in rows] == [1, 2], rule
         assert all(math.isfinite(r["loss"]) for r in rows), rule
         assert any(k.startswith(("loss/",)) for k in rows[0]), rule
+        assert (tmp_path / rule / "curves.png").stat().st_size > 10_000, rule
+
+
+def test_staleness_sweep_and_its_plot(tiny_model_dir, tmp_path):
+    """A two-point Hydra multirun with the default subdirs, then plot.py on the sweep: one figure, a table row
+    per run labelled by the swept value."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "max_staleness=0,2", f"hydra.sweep.dir={tmp_path}",
+           "progress=false", f"model.path={tiny_model_dir}", "steps=2", *TINY]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(runs) == 2 and runs[0].startswith("0_max_staleness=0,") and runs[1].startswith("1_max_staleness=2,")
+    for run in runs:
+        assert [r["step"] for r in _metrics(tmp_path / run)] == [1, 2]
+    plot = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    table = [line for line in plot.stdout.splitlines() if line.startswith("| max_staleness=")]
+    assert [line.split("|")[1].strip() for line in table] == ["max_staleness=0", "max_staleness=2"]
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
 def test_eval_only_scores_a_checkpoint_without_training(tiny_model_dir, tmp_path):

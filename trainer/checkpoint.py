@@ -1,25 +1,100 @@
-"""Hugging Face checkpoints: `checkpoints/step_N/` loadable with `AutoModelForCausalLM.from_pretrained`."""
+"""Checkpoints: `checkpoints/step_N/` is a Hugging Face model folder (safetensors, loadable anywhere) plus
+`trainer_state.pt`, everything else a resumed run needs: AdamW, the replay buffer, RNG states, data
+positions, the policy version. The state holds tensors and plain Python values only and is read back with
+`torch.load(weights_only=True)`, so resuming never unpickles code.
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so a crash mid-write leaves
+the previous checkpoint intact and no half-written one under a `step_N` name.
+"""
+import json
 import os
+import re
 import shutil
 
+import torch
 import torch.distributed as dist
 
 from trainer.policy import full_state
 
+STATE_FILE = "trainer_state.pt"
+PROGRESS_FILE = "progress.json"
 
-def save_checkpoint(policy, model_path: str, run_dir: str, step: int) -> str:
-    """Gather the full weights (all ranks call this) and write them atomically from rank 0."""
-    state = {name: tensor.detach().clone() for name, tensor in full_state(policy)}
-    target = os.path.join(run_dir, "checkpoints", f"step_{step}")
+
+def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dict | None = None,
+                    keep: int = 0) -> str:
+    """Gather the full weights (all ranks call this) and write them, with `state`, atomically from rank 0.
+    keep > 0: afterwards delete all but the newest `keep` checkpoints."""
+    weights = {name: tensor.detach().clone() for name, tensor in full_state(policy)}
+    root = os.path.join(run_dir, "checkpoints")
+    target = os.path.join(root, f"step_{step}")
     if dist.get_rank() != 0:
         return target
     from transformers import AutoTokenizer
 
-    tmp = os.path.join(run_dir, "checkpoints", f".tmp-step_{step}")
+    tmp = os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    lm = policy.lm
-    lm.save_pretrained(tmp, state_dict=state)
+    policy.lm.save_pretrained(tmp, state_dict=weights)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)  # a crash mid-write leaves no half checkpoint under the final name
+    if state is not None:
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        with open(os.path.join(tmp, PROGRESS_FILE), "w") as f:  # what the launcher needs, without the 1 GB
+            json.dump({k: state[k] for k in ("step", "time_s", "next_group")}, f)
+    _fsync_dir(tmp)
+    if os.path.exists(target):  # rewriting a step: move the old one aside first, so a crash keeps one of them
+        old = os.path.join(root, f".old-step_{step}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    _fsync_dir(root)
+    if keep > 0:
+        for _, path in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
     return target
+
+
+def checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints of a run, oldest first, as (step, path)."""
+    root = os.path.join(run_dir, "checkpoints")
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        match = re.fullmatch(r"step_(\d+)", name)
+        if match and os.path.exists(os.path.join(root, name, "config.json")):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest_resumable(run_dir: str) -> tuple[int, str]:
+    """The newest checkpoint that holds a trainer state; ValueError naming the problem if there is none."""
+    for step, path in reversed(checkpoints(run_dir)):
+        if os.path.exists(os.path.join(path, STATE_FILE)):
+            return step, path
+    raise ValueError(f"resume: no checkpoint with {STATE_FILE} under {os.path.join(run_dir, 'checkpoints')}; "
+                     "set checkpoint.every to write them")
+
+
+def load_state(path: str) -> dict:
+    return torch.load(os.path.join(path, STATE_FILE), weights_only=True)
+
+
+def load_progress(path: str) -> dict:
+    """step, time_s and next_group ({worker id: groups it had delivered}) of a checkpoint."""
+    with open(os.path.join(path, PROGRESS_FILE)) as f:
+        progress = json.load(f)
+    progress["next_group"] = {int(w): n for w, n in progress["next_group"].items()}
+    return progress
+
+
+def _fsync_dir(path: str) -> None:
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            with open(full, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -5,8 +5,14 @@ import torch
 import torch.distributed as dist
 
 import algos
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
 from trainer.batch import Batch
 from trainer.policy import TokenLogprobs, full_state, shard
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 @dataclass
@@ -42,20 +48,28 @@ class LearnerSpec:
     task_cfg: object = None
     eval_every: int = 0  # evaluate every N steps (0: only at the end)
     eval: object = None  # evaluate.EvalSpec; None: never evaluate
+    num_workers: int = 1  # rollout workers (group ids interleave them)
+    init_path: str = ""  # the policy's starting weights (a checkpoint when resuming); "" = model_path
+    start_step: int = 0  # optimizer steps already done (resuming)
+    checkpoint_keep: int = 0  # newest checkpoints kept (0: all)
+    logger: str = "none"  # none | tensorboard | wandb
+    config: dict | None = None  # the resolved run config, for the logger
 
 
 class Learner:
     def __init__(self, spec: LearnerSpec):
         from transformers import AutoModelForCausalLM
 
-        def load():
-            return TokenLogprobs(AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32))
+        def load(path):
+            return TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
         self.spec = spec
         self.loss_fn = algos.get(spec.algo).Loss(spec.algo_cfg)
         # The reference is the frozen initial policy, loaded only for the rules that use it.
-        self.reference = load().eval().requires_grad_(False) if self.loss_fn.needs_reference else None
-        self.policy = shard(load())
+        self.reference = load(spec.model_path).eval().requires_grad_(False) if self.loss_fn.needs_reference else None
+        # FSDP2 only pays off with more than one rank; with one it would gather and copy every layer per pass.
+        policy = load(spec.init_path or spec.model_path)
+        self.policy = shard(policy) if spec.world_size > 1 else policy
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self.skipped = 0
         self.bad_in_row = 0
@@ -113,6 +127,13 @@ class Learner:
         if spec.world_size > 1:
             dist.all_reduce(packed)
         return packed[0].float(), dict(zip(keys, packed[2:].tolist())), int(packed[1])
+
+    def optimizer_state(self) -> dict:
+        """The full AdamW state keyed by parameter name (a collective under FSDP2; complete on rank 0)."""
+        return get_optimizer_state_dict(self.policy, self.optimizer, options=_FULL)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        set_optimizer_state_dict(self.policy, self.optimizer, state, options=_FULL_FROM_RANK0)
 
     def publish(self, store, version: int) -> None:
         """All ranks gather the full weights (a collective); rank 0 writes them to the shared store."""

@@ -1,5 +1,4 @@
 """The learner loop: ring -> replay buffer -> batch -> optimizer step -> publish weights -> metrics."""
-import json
 import os
 import time
 
@@ -11,6 +10,7 @@ from rollout import REWARD_ERRORS, REWARD_TIMEOUTS, TOKENS
 from trainer.batch import pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, LearnerSpec
+from trainer.logger import MetricsLogger, truncate_metrics
 
 
 class Stopped(Exception):
@@ -34,57 +34,79 @@ def _loop(spec, ring, gate, store, gen_stats, stop):
     learner = Learner(spec)
     evaluator = _Evaluator(spec) if lead and spec.eval is not None else None
     replay = ReplayBuffer(spec.sampler, spec.recent_prob, spec.inv_temp, spec.per_prompt_capacity, spec.seed)
-    log = open(os.path.join(spec.run_dir, "metrics.jsonl"), "a") if lead else None
-    bar = _progress(spec) if lead else None
-    start = last_time = time.time()
+    # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
+    progress = {"next_group": {}, "time_s": 0.0}
+    if spec.start_step:
+        progress = _restore(spec, learner, replay)
+    logger = None
+    if lead:
+        truncate_metrics(os.path.join(spec.run_dir, "metrics.jsonl"), spec.start_step)
+        logger = MetricsLogger(spec.run_dir, spec.logger, spec.steps, spec.progress, spec.config, spec.start_step)
+    start = last_time = time.time() - progress["time_s"]
     last_tokens = 0
 
-    for step in range(1, spec.steps + 1):
-        version = step - 1
-        if lead:
-            fresh, dropped = _take_fresh(ring, gate, replay, spec, version, stop)
-            batch = pack(replay.sample(spec.batch_groups, version))
-            # reward and staleness describe the fresh data (the current policy's); replay has its own stats
-            info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
-                    "staleness/dropped_groups": dropped, **replay.stats(), **_staleness(fresh, version)}
-        batch, info = _broadcast((batch, info) if lead else None)
-        t0 = time.time()
-        metrics = learner.step(batch, step)
-        train_time = time.time() - t0
-        learner.publish(store, step)
-        if lead:
-            gate.set_version(step)  # after publishing: new groups must start on the new weights
-        if spec.checkpoint_every and step % spec.checkpoint_every == 0 and step < spec.steps:
-            save_checkpoint(learner.policy, spec.model_path, spec.run_dir, step)
-        if not lead:
-            continue
-        due = step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)
-        results = evaluator(store) if evaluator is not None and due else {}
-        now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
-        row = {
-            "step": step, "time_s": round(now - start, 3),
-            "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
-            "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
-            "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
-            "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
-            "reward/batch_mean": batch.rewards.mean().item(),
-            "reward/timeouts": int(gen_stats[:, REWARD_TIMEOUTS].sum()),
-            "reward/errors": int(gen_stats[:, REWARD_ERRORS].sum()),
-            "perf/train_step_s": train_time, "perf/completion_len": batch.mask.sum(1).mean().item(),
-            **info, **metrics, **results,
-        }
-        last_tokens, last_time = tokens, now
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-        if bar is not None:
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", stale=f"{row['staleness_mean']:.1f}",
-                            gen_tps=f"{row['gen_tokens_per_s']:.0f}", train_tps=f"{row['train_tokens_per_s']:.0f}")
-            bar.update(1)
-    save_checkpoint(learner.policy, spec.model_path, spec.run_dir, spec.steps)
-    if lead:
-        log.close()
-        if bar is not None:
-            bar.close()
+    def checkpoint(step):
+        state = {"step": step, "time_s": time.time() - start, "next_group": progress["next_group"],
+                 "optimizer": learner.optimizer_state(), "skipped": learner.skipped,
+                 "replay": replay.state_dict() if lead else None, "torch_rng": torch.get_rng_state()}
+        save_checkpoint(learner.policy, spec.model_path, spec.run_dir, step, state, spec.checkpoint_keep)
+
+    try:
+        for step in range(spec.start_step + 1, spec.steps + 1):
+            version = step - 1
+            if lead:
+                t0 = time.time()
+                fresh, dropped = _take_fresh(ring, gate, replay, spec, version, stop, progress["next_group"])
+                wait_time = time.time() - t0
+                batch = pack(replay.sample(spec.batch_groups, version))
+                # reward and staleness describe the fresh data (the current policy's); replay has its own stats
+                info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
+                        "staleness/dropped_groups": dropped, **replay.stats(), **_staleness(fresh, version)}
+            batch, info = _broadcast((batch, info) if lead else None)
+            t0 = time.time()
+            metrics = learner.step(batch, step)
+            train_time = time.time() - t0
+            learner.publish(store, step)
+            if lead:
+                gate.set_version(step)  # after publishing: new groups must start on the new weights
+            if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
+                checkpoint(step)
+            if not lead:
+                continue
+            due = step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)
+            results = evaluator(store) if evaluator is not None and due else {}
+            now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
+            logger.log({
+                "step": step, "time_s": round(now - start, 3),
+                "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
+                "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
+                "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
+                "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
+                "reward/batch_mean": batch.rewards.mean().item(),
+                "reward/timeouts": int(gen_stats[:, REWARD_TIMEOUTS].sum()),
+                "reward/errors": int(gen_stats[:, REWARD_ERRORS].sum()),
+                "perf/train_step_s": train_time, "perf/wait_s": wait_time,
+                "perf/completion_len": batch.mask.sum(1).mean().item(),
+                **info, **metrics, **results,
+            })
+            last_tokens, last_time = tokens, now
+    finally:
+        if logger is not None:
+            logger.close()
+
+
+def _restore(spec, learner, replay) -> dict:
+    """Continue from checkpoints/step_{start_step}: optimizer, replay buffer, RNG, data positions."""
+    from trainer.checkpoint import load_state
+
+    state = load_state(spec.init_path)
+    assert state["step"] == spec.start_step, (state["step"], spec.start_step)
+    learner.load_optimizer_state(state["optimizer"] if spec.rank == 0 else {})
+    learner.skipped = state["skipped"]
+    if state["replay"] is not None:
+        replay.load_state_dict(state["replay"])
+    torch.set_rng_state(state["torch_rng"])
+    return {"next_group": dict(state["next_group"]), "time_s": state["time_s"]}
 
 
 class _Evaluator:
@@ -94,20 +116,20 @@ class _Evaluator:
         import tasks
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.spec = spec
-        self.task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-        self.targets = dict(self.model.state_dict())
+        from evaluate import Evaluator
+
+        task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        # The engine keeps its own copy of the weights; the Hugging Face model is dropped.
+        self.evaluate = Evaluator(model, AutoTokenizer.from_pretrained(spec.model_path), task, spec.eval)
+        self.targets = self.evaluate.weight_tensors()
 
     def __call__(self, store) -> dict:
-        from evaluate import evaluate
-
         store.read_into(self.targets)
-        return evaluate(self.model, self.tokenizer, self.task, self.spec.eval)
+        return self.evaluate()
 
 
-def _take_fresh(ring, gate, replay, spec, version, stop):
+def _take_fresh(ring, gate, replay, spec, version, stop, next_group):
     """Move B fresh groups from the ring into the buffer; groups more than eta versions old are dropped
     (their budget goes back to the gate). Returns the groups taken and how many were dropped."""
     taken, dropped = [], 0
@@ -117,6 +139,8 @@ def _take_fresh(ring, gate, replay, spec, version, stop):
             if stop.is_set():
                 raise Stopped
             continue
+        index = group.group_id // spec.num_workers
+        next_group[group.worker_id] = max(next_group.get(group.worker_id, 0), index + 1)
         if version - group.min_version() > spec.max_staleness:
             dropped += 1
             gate.cancel(1)
@@ -139,11 +163,3 @@ def _broadcast(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _progress(spec):
-    if not spec.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=spec.steps, desc="ringrl", unit="step", mininterval=1.0)

@@ -21,9 +21,61 @@ class TokenLogprobs(nn.Module):
         mask = _shared_prompt_mask(segments)
         hidden = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
-        logits = self.lm.lm_head(picked).float() / temperature  # [G, K*T, V]
-        logprobs = logits.log_softmax(-1).gather(-1, targets.reshape(gather.shape)[..., None]).squeeze(-1)
-        return logprobs.reshape(targets.shape).clone()  # FSDP2 hooks must not see a view of a view
+        head = self.lm.lm_head
+        assert head.bias is None, "lm_head with a bias is not supported"
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else head.weight.dtype
+        flat = _HeadLogprob.apply(picked.flatten(0, 1), head.weight, targets.reshape(-1), temperature, dtype)
+        return flat.reshape(targets.shape)
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """log_softmax(h @ W.T / temperature)[target] for rows h [N, d], W [V, d] -> [N] float32.
+
+    Never holds the [N, V] float32 logits: rows go through in chunks of a few MB that stay in cache, and
+    the backward recomputes each chunk's logits (one more lm_head matmul) instead of saving them. Plain
+    autograd would write the logits, a float32 copy, a dense gradient and log_softmax's backward over it:
+    on a 1-thread CPU those passes cost more than the matmuls.
+    """
+    CHUNK_BYTES = 64 << 20
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, dtype):
+        with torch.autocast("cpu", enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            out, lse = torch.empty(len(h)), torch.empty(len(h))
+            for rows in _chunks(len(h), w.shape[0], _HeadLogprob.CHUNK_BYTES):
+                logits = _logits(h[rows], w, temperature)
+                lse[rows] = logits.logsumexp(-1)
+                out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.temperature, ctx.hidden_dtype = temperature, hidden.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, targets, lse = ctx.saved_tensors
+        temp = ctx.temperature
+        with torch.autocast("cpu", enabled=False):
+            w = weight.to(h.dtype)
+            grad_logits = torch.empty(len(h), w.shape[0], dtype=h.dtype)
+            scale = grad / temp
+            for rows in _chunks(len(h), w.shape[0], _HeadLogprob.CHUNK_BYTES):
+                # d logprob / d logits = (onehot(target) - softmax) / temperature
+                g = _logits(h[rows], w, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
+                grad_logits[rows] = g.scatter_add_(-1, targets[rows, None], scale[rows, None])
+            grad_h = grad_logits @ w
+            grad_w = grad_logits.T @ h
+        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), None, None, None
+
+
+def _logits(h, w, temperature):
+    logits = (h @ w.T).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _chunks(n: int, vocab: int, chunk_bytes: int):
+    step = max(1, chunk_bytes // (4 * vocab))
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
 
 
 def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:

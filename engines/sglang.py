@@ -1,0 +1,219 @@
+"""The GPU generation engine: SGLang's offline `Engine` behind CPUEngine's interface, with interruptible generation.
+
+    engine = SGLangEngine(model_path, tp_size=1, base_gpu_id=0, mem_fraction_static=0.85)
+    engine.add(Request(0, prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=256)))
+    finished = engine.step()               # Completions, as from CPUEngine.step()
+    engine.sync_weights(channel, index)    # between steps: load a new version if the trainer ships one
+
+A new weight version interrupts the requests in flight (AReaL): SGLang aborts them and returns what each
+generated so far; after the load each is resubmitted as prompt + tokens so far with the remaining budget, so
+its later tokens record the new version. `Partial` holds that bookkeeping; everything that talks to SGLang
+is in `SGLangBackend`, so the rest runs on the CPU in tests against a fake backend.
+"""
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.cpu import Completion, Request, SamplingParams, check_request
+
+
+def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
+    """CPUEngine's sampling parameters in SGLang's names. SGLang's logprobs are log softmax(logits / T) over
+    the full vocabulary (before top-p), as the CPU engine's and the trainer's are."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True}
+
+
+@dataclass
+class Partial:
+    """One request and what it has generated so far, across interruptions."""
+    request: Request
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def remaining(self) -> int:
+        return self.request.params.max_new_tokens - len(self.token_ids)
+
+    def resume_input(self) -> list[int]:
+        """What to submit next: the prompt followed by every token generated so far."""
+        return self.request.prompt_ids + self.token_ids
+
+    def merge(self, output: dict, version: int) -> str | None:
+        """Append one SGLang output (finished or aborted) sampled under `version`.
+
+        Returns "stop" or "length" when the request is complete, None when it was interrupted."""
+        meta = output["meta_info"]
+        for logprob, token, *_ in meta.get("output_token_logprobs") or []:
+            self.token_ids.append(int(token))
+            self.logprobs.append(float(logprob))
+            self.versions.append(version)
+        if self.token_ids and self.token_ids[-1] in self.request.params.stop_token_ids:
+            return "stop"
+        if self.remaining() <= 0:
+            return "length"
+        reason = (meta.get("finish_reason") or {}).get("type")
+        return reason if reason in ("stop", "length") else None  # "abort": resubmit
+
+    def completion(self, reason: str) -> Completion:
+        return Completion(self.request.request_id, self.request.prompt_ids, self.token_ids, self.logprobs,
+                          self.versions, reason)
+
+
+class SGLangEngine:
+    def __init__(self, model_path: str = "", tp_size: int = 1, base_gpu_id: int = 0,
+                 mem_fraction_static: float = 0.85, seed: int = 0, max_batch: int = 256, dtype: str = "bfloat16",
+                 backend=None, poll_s: float = 0.005):
+        self.backend = backend or SGLangBackend(model_path, tp_size, base_gpu_id, mem_fraction_static, seed, dtype)
+        self.max_batch, self.poll_s = max_batch, poll_s
+        self.version = 0
+        self.waiting: deque[Partial] = deque()
+        self.running: dict[asyncio.Future, tuple[Partial, int]] = {}  # task -> (request, version it runs under)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.running)
+
+    def add(self, request: Request) -> None:
+        check_request(request)
+        self.waiting.append(Partial(request))
+
+    def step(self) -> list[Completion]:
+        """Submit waiting requests, wait up to poll_s for SGLang, and return the requests that finished."""
+        while self.waiting and len(self.running) < self.max_batch:
+            self._submit(self.waiting.popleft())
+        return self._collect(self.poll_s) if self.running else []
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        if self.running or self.waiting:
+            raise ValueError("generate() needs an idle engine; drive it with add()/step() when mixing requests")
+        for request in requests:
+            self.add(request)
+        done = {}
+        while self.running or self.waiting:
+            done.update((c.request_id, c) for c in self.step())
+        return [done[r.request_id] for r in requests]
+
+    def sync_weights(self, channel, engine_index: int, group_name: str = "ringrl-weights") -> list[Completion]:
+        """If the trainer started shipping a new version: interrupt, load every bucket, adopt the version.
+
+        Returns requests that completed during the interruption (hand them on like step()'s)."""
+        message = channel.receive(engine_index)
+        if message is None:
+            return []
+        # Pause (SGLang aborts every request in flight and refuses new ones until resume); the aborted
+        # requests return what they generated so far and wait, in order, for resubmission.
+        self.backend.pause()
+        finished = self._collect(None) if self.running else []
+        assert not self.running, "SGLang left requests running after an abort"
+        self.backend.begin_update()
+        while True:
+            if message.payloads is not None:
+                self.backend.load_ipc(message.payloads, flush_cache=message.last)
+            else:
+                self.backend.load_nccl(message.slots, group_name, flush_cache=message.last)
+            channel.ack(engine_index, message.version, message.index)
+            if message.last:
+                break
+            message = channel.receive(engine_index, timeout=600.0)
+            if message is None:
+                raise RuntimeError("the trainer stopped sending a weight version half-way")
+        self.backend.end_update()
+        self.backend.resume()
+        self.version = message.version
+        return finished
+
+    def join_weight_group(self, address: str, port: int, rank_offset: int, world_size: int,
+                          group_name: str = "ringrl-weights") -> None:
+        """NCCL weight sync only: join trainer rank 0's group (blocks until every member joins)."""
+        self.backend.join_nccl(address, port, rank_offset, world_size, group_name)
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+    def _submit(self, partial: Partial) -> None:
+        coroutine = self.backend.generate(partial.resume_input(), sampling_params(partial.request.params,
+                                                                                  partial.remaining()))
+        self.running[self.backend.loop.create_task(coroutine)] = (partial, self.version)
+
+    def _collect(self, timeout: float | None) -> list[Completion]:
+        """Wait for at least one task (all of them with timeout=None), merge the outputs, requeue the aborted."""
+        when = asyncio.ALL_COMPLETED if timeout is None else asyncio.FIRST_COMPLETED
+        done, _ = self.backend.loop.run_until_complete(asyncio.wait(list(self.running), timeout=timeout,
+                                                                    return_when=when))
+        finished, interrupted = [], []
+        for task in done:
+            partial, version = self.running.pop(task)
+            reason = partial.merge(task.result(), version)
+            if reason is None:
+                interrupted.append(partial)
+            else:
+                finished.append(partial.completion(reason))
+        # Interrupted requests go back to the front, in request order: they are the oldest in flight.
+        interrupted.sort(key=lambda p: p.request.request_id)
+        self.waiting.extendleft(reversed(interrupted))
+        return finished
+
+
+class SGLangBackend:
+    """The only code that calls SGLang: an offline `sglang.Engine` (its own scheduler processes) per engine."""
+
+    def __init__(self, model_path: str, tp_size: int, base_gpu_id: int, mem_fraction_static: float, seed: int,
+                 dtype: str):
+        import sglang
+
+        # skip_tokenizer_init: token ids in and out, no detokenizer work (the rollout worker decodes for rewards).
+        self.engine = sglang.Engine(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                    mem_fraction_static=mem_fraction_static, random_seed=seed, dtype=dtype,
+                                    skip_tokenizer_init=True, log_level="error")
+        self.loop = self.engine.loop
+
+    def generate(self, input_ids: list[int], sampling: dict):
+        return self.engine.async_generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+
+    def pause(self) -> None:
+        """Abort everything in flight; aborted requests return their partial output (finish_reason abort)."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+        self.loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(mode="abort")))
+
+    def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+        self.loop.run_until_complete(manager.continue_generation(ContinueGenerationReqInput()))
+
+    def begin_update(self) -> None:
+        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.2x requires an update session
+            self.engine.begin_weight_update()
+
+    def end_update(self) -> None:
+        if hasattr(self.engine, "end_weight_update"):
+            self.engine.end_weight_update()
+
+    def load_ipc(self, payloads: list, flush_cache: bool) -> None:
+        from engines.weight_sync import load_ipc
+
+        load_ipc(self.engine, payloads, flush_cache)
+
+    def join_nccl(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
+        from engines.weight_sync import nccl_engine_join
+
+        nccl_engine_join(self.engine, address, port, rank_offset, world_size, group_name)
+
+    def load_nccl(self, slots: list, group_name: str, flush_cache: bool) -> None:
+        from engines.weight_sync import load_nccl
+
+        load_nccl(self.engine, slots, group_name, flush_cache)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

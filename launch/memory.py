@@ -1,0 +1,36 @@
+"""Memory of a process tree, as the kernel accounts it (Linux /proc)."""
+import os
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _pss_kb(pid: int) -> int:
+    """Proportional set size: shared pages (the ring, the weight store) count once across the processes
+    that map them, so the sum over a tree is the memory the run really holds."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_pss_mb(root: int | None = None) -> float:
+    """Total proportional resident memory of `root` (default: this process) and all its descendants, in MiB."""
+    todo, total = [root or os.getpid()], 0
+    while todo:
+        pid = todo.pop()
+        total += _pss_kb(pid)
+        todo += _children(pid)
+    return total / 1024

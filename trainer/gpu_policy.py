@@ -1,0 +1,100 @@
+"""The trained model on GPU: FSDP2 over NCCL in bf16, flash-attn with packed variable-length sequences.
+
+    init_nccl(rank, world_size, port, gpu)
+    policy = shard_gpu(VarlenTokenLogprobs(load_lm(model_path)).cuda(), checkpointing=True)
+
+The CPU policy (trainer/policy.py) packs a group as one row, its prompt once and its K completions attending
+into it, with a [L, L] mask. flash-attn takes no such mask, so `VarlenTokenLogprobs` lays every completion out
+as its own sequence (prompt + completion), all of them back to back in one row with positions restarting at
+0; Hugging Face then runs flash-attn's variable-length kernel (cu_seqlens from the positions) and, under
+sdpa, a block-causal mask. The prompt is computed K times instead of once: the price of the kernel.
+"""
+import importlib.metadata
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.policy import TokenLogprobs
+
+
+def attn_implementation() -> str:
+    """flash_attention_2 where the flash-attn 2 distribution is installed and CUDA is present, sdpa otherwise.
+
+    Asks for the distribution, not the module: SGLang pulls in flash-attn-4, which installs `flash_attn.cute`
+    and so makes a `flash_attn` module importable without flash-attn 2's kernels."""
+    try:
+        importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return "sdpa"
+    return "flash_attention_2" if torch.cuda.is_available() else "sdpa"
+
+
+def load_lm(model_path: str, attn: str | None = None) -> nn.Module:
+    """Weights stay fp32 (FSDP2 keeps the fp32 master copy and casts to bf16 per forward)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                attn_implementation=attn or attn_implementation())
+
+
+def init_nccl(rank: int, world_size: int, port: int, gpu: int) -> None:
+    """One trainer rank per GPU; `gpu` is the rank's GPU id from launch.layout.Layout.train_gpus."""
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", gpu))
+
+
+def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_forward: bool = True):
+    """FSDP2 as torchtitan applies it: per decoder layer, then the root, bf16 compute, fp32 gradient reduction.
+
+    checkpointing: recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = policy.lm.model.layers
+    for i, layer in enumerate(layers):
+        if checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+            layers[i] = layer
+        # The last layer's parameters are needed again at once by the backward pass: keep them gathered.
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    fully_shard(policy, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return policy
+
+
+class VarlenTokenLogprobs(TokenLogprobs):
+    """TokenLogprobs with the same inputs and outputs, computed over one packed row of separate sequences."""
+
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float):
+        # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
+        order, picks = varlen_layout(segments, gather, targets.shape[0] // segments.shape[0])
+        order, picks = order.to(input_ids.device), picks.to(input_ids.device)
+        ids = input_ids.reshape(-1)[order][None]  # [1, N]
+        positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
+        hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+        logits = self.lm.lm_head(hidden[picks]).float() / temperature  # [G*K, T, V]
+        return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1).clone()  # FSDP2: no view out
+
+
+def varlen_layout(segments: torch.Tensor, gather: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the shared-prompt layout to separate sequences.
+
+    Returns order [N]: flat indices into the [G, L] row-major inputs, sequence (g, i) = prompt of g then its
+    completion i; and picks [G*K, T]: the index in `order` whose output predicts completion token t (the
+    shared-prompt `gather`, re-pointed into each completion's own copy of the prompt)."""
+    segments, gather = segments.cpu(), gather.cpu()  # a few hundred small ops: cheaper on the host
+    groups, length = segments.shape
+    steps = gather.shape[1] // k
+    order, picks, base = [], torch.zeros(groups * k, steps, dtype=torch.long), 0
+    for g in range(groups):
+        prompt = (segments[g] == 0).nonzero().squeeze(1)
+        for i in range(k):
+            cols = torch.cat([prompt, (segments[g] == i + 1).nonzero().squeeze(1)])
+            where = torch.zeros(length, dtype=torch.long)  # column of row g -> its place in the packed row
+            where[cols] = torch.arange(base, base + len(cols))
+            picks[g * k + i] = where[gather[g, i * steps:(i + 1) * steps]]
+            order.append(cols + g * length)
+            base += len(cols)
+    return torch.cat(order), picks
