@@ -17,8 +17,12 @@ from buffer.ring import Group
 from engines.cpu import CPUEngine, Request, SamplingParams
 from rewards.pool import RewardPool
 
-# Columns of the shared per-worker counters read by the learner for its metrics.
-TOKENS, GROUPS, REWARD_TIMEOUTS, REWARD_ERRORS = range(4)
+# Columns of the shared per-worker counters, read by the learner for its metrics and by the launcher when a
+# worker dies: groups started / delivered / next index tell it what was lost and where a replacement starts.
+STAT_COLUMNS = ("tokens", "groups", "reward_timeouts", "reward_errors", "started", "next_group", "restarts",
+                "lost_groups", "prompts_truncated", "prompts_skipped")
+(TOKENS, GROUPS, REWARD_TIMEOUTS, REWARD_ERRORS, STARTED, NEXT_GROUP, RESTARTS, LOST_GROUPS, PROMPTS_TRUNCATED,
+ PROMPTS_SKIPPED) = range(len(STAT_COLUMNS))
 
 
 @dataclass
@@ -40,6 +44,8 @@ class WorkerSpec:
     init_path: str = ""  # starting weights (a checkpoint when resuming); "" = model_path
     start_version: int = 0  # policy version of those weights
     first_group: int = 0  # groups of this worker already delivered (resuming): skip their prompts
+    max_prompt_len: int = 0  # longer prompts are cut or skipped (0: no limit)
+    long_prompts: str = "skip"  # skip | truncate (cut from the middle, keeping the last 8 tokens)
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -79,13 +85,26 @@ def _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool):
 
     def start_group():
         nonlocal next_group
-        index = next(stream)
-        ids = tasks.prompt_ids(tokenizer, task.train[index].question)
+        index, ids = next_prompt()
         group_id = next_group * spec.num_workers + spec.worker_id
         next_group += 1
+        stats[STARTED] += 1
+        stats[NEXT_GROUP] = next_group
         open_groups[group_id] = (index, {})
         for i in range(k):
             engine.add(Request(group_id * k + i, ids, spec.sampling))
+
+    def next_prompt():
+        for index in stream:
+            ids = tasks.prompt_ids(tokenizer, task.train[index].question)
+            if not spec.max_prompt_len or len(ids) <= spec.max_prompt_len:
+                return index, ids
+            if spec.long_prompts == "truncate":
+                stats[PROMPTS_TRUNCATED] += 1
+                # cut the middle: the end of a chat prompt is the assistant header the model continues from
+                tail = min(8, spec.max_prompt_len // 2)
+                return index, ids[:spec.max_prompt_len - tail] + ids[-tail:]
+            stats[PROMPTS_SKIPPED] += 1
 
     stats = gen_stats[spec.worker_id]
     while not stop.is_set():

@@ -12,6 +12,7 @@ weights come back after every optimizer step, and `max_staleness` bounds how old
 Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, curves.png, checkpoints/step_N/,
 summary.json.
 """
+import dataclasses
 import json
 import os
 import resource
@@ -40,10 +41,11 @@ def main(raw) -> None:
 
     from launch.plan import device_plan, pin_threads
 
-    _or_exit(device_plan, cfg.cluster.plan)
-    pin_threads(cfg.cluster.threads_per_process)
     # Heavy imports after the config is known to be good: a typo should fail in a second.
     import torch
+
+    _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
+    pin_threads(cfg.cluster.threads_per_process)
 
     torch.set_num_threads(cfg.cluster.threads_per_process)
     import tasks
@@ -53,12 +55,13 @@ def main(raw) -> None:
     from evaluate import EvalSpec
     from launch.supervisor import Supervisor
     from models.loader import resolve
+    from rollout import NEXT_GROUP, RESTARTS, STAT_COLUMNS
     from rollout import run as run_worker
     from trainer.loop import run as run_learner
 
     model_path = _or_exit(resolve, cfg.model.path)
     task = _or_exit(tasks.get(task_cfg.name).build, task_cfg, cfg.seed)
-    max_prompt_len = _max_prompt_len(model_path, task)
+    max_prompt_len = _max_prompt_len(model_path, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     rollout, train, cluster = cfg.rollout, cfg.train, cfg.cluster
     eval_spec = EvalSpec(cfg.eval.k, cfg.eval.temperature, rollout.max_new_tokens, cfg.eval.max_examples,
                          _stop_ids(model_path), cfg.seed, cfg.reward.workers, cfg.reward.timeout_s, cfg.rollout.dtype)
@@ -72,22 +75,38 @@ def main(raw) -> None:
                           num_producers=cluster.rollout_workers)
     gate = StalenessGate(train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0)
     store = WeightStore.for_model(_meta_model(model_path))
-    gen_stats = torch.zeros(cluster.rollout_workers, 4, dtype=torch.long).share_memory_()  # see rollout.TOKENS
+    gen_stats = torch.zeros(cluster.rollout_workers, len(STAT_COLUMNS), dtype=torch.long).share_memory_()
 
     sup = Supervisor()
     shared = (ring, gate, store, gen_stats, sup.stop)
     port = _free_port()
     start = time.time()
     error = None
+    worker_specs = [_worker_spec(cfg, task_cfg, w, model_path, max_prompt_len, resume)
+                    for w in range(cluster.rollout_workers)]
+
+    def restart_worker(name: str, message: str) -> bool:
+        """A rollout worker died: free what it held and start a new one where it stopped, up to max_restarts."""
+        if not name.startswith("rollout-"):
+            return False
+        w = int(name.split("-")[1])
+        if gen_stats[w, RESTARTS] >= cluster.max_restarts:
+            return False
+        lost = _reclaim(ring, gate, gen_stats, w)
+        print(f"warning: {message.splitlines()[0]}; restarting it ({int(gen_stats[w, RESTARTS])}/"
+              f"{cluster.max_restarts}), {lost} unfinished groups dropped", file=sys.stderr)
+        spec = dataclasses.replace(worker_specs[w], first_group=int(gen_stats[w, NEXT_GROUP]))
+        sup.start(name, run_worker, (spec, *shared), cluster.threads_per_process)
+        return True
+
     try:
-        for w in range(cluster.rollout_workers):
-            spec = _worker_spec(cfg, task_cfg, w, model_path, max_prompt_len, resume)
+        for w, spec in enumerate(worker_specs):
             sup.start(f"rollout-{w}", run_worker, (spec, *shared), cluster.threads_per_process)
         for r in range(cluster.trainer_ranks):
             spec = _learner_spec(cfg, algo_cfg, task_cfg, r, port, model_path, run_dir, eval_spec, resume,
                                  OmegaConf.to_container(raw, resolve=True))
             sup.start(f"trainer-{r}", run_learner, (spec, *shared), cluster.threads_per_process, essential=True)
-        error = sup.watch()
+        error = sup.watch(on_failure=restart_worker)
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
@@ -136,6 +155,23 @@ def _draw_curves(run_dir):
         print(f"warning: curves.png not drawn: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
+def _reclaim(ring, gate, gen_stats, w: int) -> int:
+    """After worker w died: its half-written ring slot is freed, the groups it started but never delivered are
+    dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none twice)."""
+    from rollout import GROUPS, LOST_GROUPS, RESTARTS, STARTED
+
+    ring.reclaim(w)
+    gate.recover()
+    stats = gen_stats[w]
+    lost = int(stats[STARTED] - stats[GROUPS])
+    if lost > 0:
+        gate.cancel(lost)
+    stats[STARTED] = stats[GROUPS]
+    stats[LOST_GROUPS] += lost
+    stats[RESTARTS] += 1
+    return lost
+
+
 def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: int, resume: dict | None):
     from engines.cpu import SamplingParams
     from rollout import WorkerSpec
@@ -145,7 +181,8 @@ def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: in
     return WorkerSpec(worker, cfg.cluster.rollout_workers, cfg.seed, model_path, task_cfg.name, task_cfg,
                       r.group_size, r.max_batch, max_prompt_len + r.max_new_tokens, sampling, cfg.reward.workers,
                       cfg.reward.timeout_s, r.dtype, resume["path"] if resume else "",
-                      resume["step"] if resume else 0, resume["next_group"].get(worker, 0) if resume else 0)
+                      resume["step"] if resume else 0, resume["next_group"].get(worker, 0) if resume else 0,
+                      max_prompt_len, r.long_prompts)
 
 
 def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str, run_dir: str, eval_spec,
@@ -217,12 +254,20 @@ def _or_exit(fn, *args):
         sys.exit(2)
 
 
-def _max_prompt_len(model_path, task) -> int:
+def _max_prompt_len(model_path, task, budget: int, long_prompts: str) -> int:
+    """The ring's prompt width: the longest training prompt, or the budget if one is set and some exceed it."""
     import tasks
     from transformers import AutoTokenizer
 
     tokenizer = _or_exit(AutoTokenizer.from_pretrained, model_path)
-    return max(len(tasks.prompt_ids(tokenizer, ex.question)) for ex in task.train + task.test)
+    lengths = [len(tasks.prompt_ids(tokenizer, ex.question)) for ex in task.train]
+    if not budget or budget >= max(lengths):
+        return max(lengths)
+    if long_prompts == "skip" and min(lengths) > budget:
+        print(f"error: config key 'rollout.max_prompt_len' ({budget}) is below every training prompt (shortest "
+              f"{min(lengths)} tokens); raise it or set rollout.long_prompts=truncate", file=sys.stderr)
+        sys.exit(2)
+    return budget
 
 
 def _stop_ids(model_path) -> tuple:

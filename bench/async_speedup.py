@@ -20,7 +20,7 @@ def sweep(etas: list[int], steps: int, out: str, extra: list[str]) -> list[dict]
     """One Hydra multirun over max_staleness; returns each run's figures, in the order of `etas`."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
            f"steps={steps}", "seed=0", "eval.every=0", "progress=false", f"hydra.sweep.dir={out}",
-           "hydra.sweep.subdir=max_staleness=${max_staleness}", *extra]
+           "hydra.sweep.subdir='max_staleness=${max_staleness}'", *extra]
     print(" ".join(cmd[1:]), flush=True)
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:

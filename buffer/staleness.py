@@ -4,7 +4,14 @@ With B groups per training batch and policy version v (optimizer steps done), at
 groups may ever have been started. eta = 0 is synchronous RL: the batch for step v+1 can only be sampled
 by policy v. Started groups that will never reach the trainer are handed back with `cancel`, otherwise
 their budget would be lost for good and the workers could stall.
+
+A worker may die at any moment (the launcher restarts it), so the gate holds nothing a dead process could
+keep: one lock around a check-and-increment of a few microseconds (`recover` frees it if its holder died
+inside), and waiting is polling rather than a condition variable, whose bookkeeping of sleepers would make
+the next `set_version` wait forever for a waiter that was killed.
 """
+import time
+
 import torch
 import torch.multiprocessing as mp
 
@@ -21,7 +28,7 @@ class StalenessGate:
         self.batch_groups, self.max_staleness = batch_groups, max_staleness
         # A resumed run at version v has had exactly v * B groups delivered: that is its starting budget use.
         self._counts = torch.tensor([version * batch_groups, version], dtype=torch.int64).share_memory_()
-        self._cond = ctx.Condition(ctx.Lock())
+        self._lock = ctx.Lock()
 
     @property
     def version(self) -> int:
@@ -37,7 +44,7 @@ class StalenessGate:
 
     def try_start(self) -> bool:
         """Atomically check the bound and, if it allows, count one more started group."""
-        with self._cond:
+        with self._lock:
             if not self._has_budget():
                 return False
             self._counts[STARTED] += 1
@@ -45,22 +52,31 @@ class StalenessGate:
 
     def wait_start(self, timeout: float) -> bool:
         """Block until a group may start (True, counted) or `timeout` seconds pass (False)."""
-        with self._cond:
-            if not self._cond.wait_for(self._has_budget, timeout):
+        deadline, delay = time.monotonic() + timeout, 0.001
+        while not self.try_start():
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            self._counts[STARTED] += 1
-            return True
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.02)  # a new version is seen within 20 ms
+        return True
 
     def cancel(self, n: int = 1) -> None:
         """n started groups will never be delivered (dropped as too stale, or lost): give their budget back."""
-        with self._cond:
+        with self._lock:
             if n > int(self._counts[STARTED]):
                 raise ValueError(f"cannot cancel {n} groups: only {self.started} were started")
             self._counts[STARTED] -= n
-            self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
-        """Called by the trainer after each optimizer step; wakes every waiting worker."""
-        with self._cond:
-            self._counts[VERSION] = version
-            self._cond.notify_all()
+        """Called by the trainer (the only writer of the version) after each optimizer step."""
+        self._counts[VERSION] = version
+
+    def recover(self) -> bool:
+        """After a worker died: if it died holding the lock (a few microseconds' window), free the lock.
+        Returns whether it had to."""
+        if self._lock.acquire(timeout=1.0):
+            self._lock.release()
+            return False
+        self._lock.release()  # held for a whole second by a section that takes microseconds: its holder is dead
+        return True

@@ -27,12 +27,29 @@ class ClusterConfig:
     rollout_workers: int = 1  # generation processes
     trainer_ranks: int = 1  # FSDP2 training processes
     threads_per_process: int = 1  # torch threads per process, so the cores are not oversubscribed
+    max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops
+    oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
+    # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):
+    gen_gpus: int = 0  # GPUs running SGLang engines (0: half, in whole tensor-parallel groups)
+    train_gpus: int = 0  # GPUs running FSDP2 ranks (0: the rest)
+    tp_size: int = 1  # GPUs per SGLang engine (0: the smallest that fits the model)
+    mem_fraction_static: float = 0.0  # SGLang's share of a generation GPU (0: the layout's default)
+    weight_sync: str = "ipc"  # ipc (CUDA IPC handles) | nccl (broadcast from trainer rank 0)
+    bucket_mb: int = 512  # weight-sync bucket size
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
 
     def check(self):
         _require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
         _require(self.rollout_workers >= 1, "cluster.rollout_workers", "must be >= 1", self.rollout_workers)
         _require(self.trainer_ranks >= 1, "cluster.trainer_ranks", "must be >= 1", self.trainer_ranks)
         _require(self.threads_per_process >= 1, "cluster.threads_per_process", "must be >= 1", self.threads_per_process)
+        _require(self.max_restarts >= 0, "cluster.max_restarts", "must be >= 0", self.max_restarts)
+        _require(self.gen_gpus >= 0 and self.train_gpus >= 0 and self.tp_size >= 0, "cluster.gen_gpus",
+                 "cluster.train_gpus and cluster.tp_size must be >= 0", (self.gen_gpus, self.train_gpus, self.tp_size))
+        _require(0 <= self.mem_fraction_static < 1, "cluster.mem_fraction_static", "must be in [0, 1)",
+                 self.mem_fraction_static)
+        _require(self.weight_sync in ("ipc", "nccl"), "cluster.weight_sync", "must be ipc or nccl", self.weight_sync)
+        _require(self.bucket_mb >= 1, "cluster.bucket_mb", "must be >= 1", self.bucket_mb)
 
 
 @dataclass
@@ -42,6 +59,8 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling threshold
     max_new_tokens: int = 16  # completion budget per sample
     max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
+    max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
+    long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
     dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls
 
     def check(self):
@@ -51,6 +70,9 @@ class RolloutConfig:
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
         _require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size", self.max_batch)
         _require(self.dtype in ("bfloat16", "float32"), "rollout.dtype", "must be bfloat16 or float32", self.dtype)
+        _require(self.max_prompt_len >= 0, "rollout.max_prompt_len", "must be >= 0 (0: no limit)", self.max_prompt_len)
+        _require(self.long_prompts in ("skip", "truncate"), "rollout.long_prompts", "must be skip or truncate",
+                 self.long_prompts)
 
 
 @dataclass
@@ -148,6 +170,12 @@ class Config:
         _require(self.buffer.sampler != "tba" or self.buffer.per_prompt_capacity >= self.rollout.group_size,
                  "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
                  self.buffer.per_prompt_capacity)
+        c = self.cluster
+        threads = (c.rollout_workers + c.trainer_ranks) * c.threads_per_process
+        cores = len(os.sched_getaffinity(0))
+        _require(c.plan == "gpu" or c.oversubscribe or threads <= cores, "cluster.rollout_workers",
+                 f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
+                 "(or set cluster.oversubscribe=true)", f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
         _require(self.train.batch_groups % self.cluster.trainer_ranks == 0, "train.batch_groups",
                  f"must be divisible by cluster.trainer_ranks={self.cluster.trainer_ranks}", self.train.batch_groups)
 

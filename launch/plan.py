@@ -2,10 +2,15 @@
 import os
 
 
-def device_plan(plan: str) -> str:
-    """`auto` is the CPU plan until the GPU path (SGLang + FSDP2/NCCL) lands."""
+def device_plan(plan: str, num_gpus: int) -> str:
+    """`cpu`, or `gpu` (SGLang engines + FSDP2/NCCL ranks, laid out by launch/layout.py). `auto` stays on the CPU
+    until the GPU launch path is wired into train.py; its parts live in engines/sglang.py, engines/weight_sync.py
+    and trainer/gpu_policy.py (docs/gpu.md)."""
     if plan == "gpu":
-        raise ValueError("cluster=gpu is not built yet (SGLang generation is a later issue); use cluster=cpu")
+        if num_gpus == 0:
+            raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu")
+        raise ValueError("cluster.plan=gpu: the GPU launch path is not wired into train.py yet (docs/gpu.md lists "
+                         "what exists); use cluster=cpu")
     return "cpu"
 
 

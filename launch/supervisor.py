@@ -10,6 +10,7 @@ import traceback
 from multiprocessing.connection import wait
 
 import torch
+from setproctitle import setproctitle
 
 from launch.memory import tree_pss_mb
 
@@ -26,46 +27,71 @@ def _child_main(name, target, args, errors, threads):
 
 
 def _die_with_parent(name: str):
-    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL (no orphans)."""
+    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL (no orphans). Also names it:
+    `ps aux`, `top -c` and `pkill -f ringrl:rollout-0` see "ringrl:rollout-0"; `top` and `ps -o comm` (15
+    characters at most) see "rollout-0"."""
+    setproctitle(f"ringrl:{name}")
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        libc.prctl(15, name.encode()[:15])  # PR_SET_NAME: `top` and `ps -o comm` show "rollout-0"
+        libc.prctl(15, name.encode()[:15])  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
     if os.getppid() == 1:
         os._exit(1)
 
 
+class StopFlag:
+    """The launcher's "stop now" to every process: Event's `set`/`is_set` on one shared byte. An mp.Event takes
+    a lock on every `is_set`, and a worker killed inside it would hang everyone else's next call."""
+
+    def __init__(self):
+        self._flag = torch.zeros(1, dtype=torch.uint8).share_memory_()
+
+    def set(self) -> None:
+        self._flag[0] = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag[0])
+
+
 class Supervisor:
     def __init__(self):
         self.ctx = mp.get_context("spawn")
-        self.stop = self.ctx.Event()
+        self.stop = StopFlag()
         self.errors = self.ctx.Queue()
         self.procs: dict[str, mp.Process] = {}
         self.essential: set[str] = set()  # processes whose clean exit means the run is done
         self.peak_mb = 0.0  # largest total memory of the launcher and all its processes, sampled every second
 
     def start(self, name: str, target, args: tuple, threads: int, essential: bool = False) -> None:
+        """Start `target(*args)` in a new process; a name already used must belong to a dead process (a restart)."""
+        if name in self.procs:
+            assert self.procs[name].exitcode is not None, f"{name} is still running"
+            self.procs[name].join()
         proc = self.ctx.Process(target=_child_main, args=(name, target, args, self.errors, threads), name=name)
         proc.start()
         self.procs[name] = proc
         if essential:
             self.essential.add(name)
 
-    def watch(self) -> str | None:
-        """Block until every essential process has exited cleanly (None) or any process fails (its error)."""
+    def watch(self, on_failure=None) -> str | None:
+        """Block until every essential process has exited cleanly (None), or a process fails and
+        `on_failure(name, message)` does not start a replacement under the same name (the failure's message)."""
         finished: set[str] = set()
         while True:
             live = {p.sentinel: name for name, p in self.procs.items() if name not in finished}
             wait(list(live), timeout=1.0)
             self.peak_mb = max(self.peak_mb, tree_pss_mb())
-            for name, proc in self.procs.items():
+            for name, proc in list(self.procs.items()):
                 if name in finished or proc.exitcode is None:
                     continue
-                finished.add(name)
                 if proc.exitcode != 0:
-                    return self._describe(name, proc.exitcode)
+                    message = self._describe(name, proc.exitcode)
+                    if on_failure is not None and not self.stop.is_set() and on_failure(name, message):
+                        continue
+                    return message
+                finished.add(name)
                 if name not in self.essential:
                     return f"{name} exited before the run was done"
             if self.essential <= finished:
@@ -84,7 +110,7 @@ class Supervisor:
             return f"{name} died (killed by {signal.Signals(-exitcode).name})"
         return f"{name} exited with code {exitcode}"
 
-    def shutdown(self, grace: float = 10.0) -> None:
+    def shutdown(self, grace: float = 25.0) -> None:
         """Ask politely, then terminate, then kill: no process survives this call."""
         self.stop.set()
         deadline = time.time() + grace

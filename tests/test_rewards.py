@@ -134,6 +134,13 @@ def _adversarial(touch_path):
         "boxed megabyte": "\\boxed{" + "9" * 1_000_000 + "}",
         "unbalanced": "\\boxed{{{{{1}",
         "unbalanced close": "}}}}\\boxed{1}}}}",
+        "lambda": f"(lambda: {attack})()",
+        "boxed lambda": f"\\boxed{{(lambda: {attack})()}}",
+        "dollar import": f"${attack}$",
+        "exec": f'exec("{attack}")',
+        "dunder walk": "\\boxed{().__class__.__bases__[0].__subclasses__()}",
+        "text import": f"\\boxed{{\\text{{{attack}}}}}",
+        "sympify bait": f"\\boxed{{Symbol('x').__class__.__init__.__globals__['os'].system('touch {touch_path}')}}",
     }
 
 
@@ -216,3 +223,17 @@ def test_workers_die_with_their_owner(tmp_path):
     finally:
         for pid in filter(_alive, workers):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("verifier", ["gsm8k", "arithmetic", "math"])
+def test_no_verifier_runs_model_output(verifier, tmp_path):
+    """Code-injection strings scored directly by each verifier (in-process): nothing runs, each scores 0."""
+    from rewards import get_reward
+
+    touched = tmp_path / "pwned"
+    score = get_reward(verifier)
+    for name, text in _adversarial(touched).items():
+        if "megabyte" in name or "power" in name or "frac" in name:
+            continue  # size and time attacks are the pool's job (timeouts), tested above
+        assert score(text, "7") == 0.0, name
+    assert not touched.exists()

@@ -107,3 +107,38 @@ def test_wait_start_wakes_on_set_version_and_cancel():
     start = time.monotonic()
     assert gate.wait_start(timeout=10) is True and gate.started == 2
     assert 0.15 < time.monotonic() - start < 5
+
+
+def _hold_the_lock_and_die(gate: StalenessGate):
+    gate._lock.acquire()
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_forever(gate: StalenessGate):
+    gate.wait_start(timeout=60)
+
+
+def test_a_worker_killed_anywhere_cannot_wedge_the_gate():
+    ctx = mp.get_context("spawn")
+    gate = StalenessGate(batch_groups=1, max_staleness=0, ctx=ctx)
+    assert gate.try_start()
+    # a worker killed while waiting for budget: set_version must not wait for it to wake
+    waiter = ctx.Process(target=_wait_forever, args=(gate,), daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    waiter.kill()
+    waiter.join()
+    start = time.monotonic()
+    gate.set_version(1)
+    assert time.monotonic() - start < 1.0
+    assert gate.try_start()
+    # a worker killed inside the lock: recover() frees it for the others
+    holder = ctx.Process(target=_hold_the_lock_and_die, args=(gate,), daemon=True)
+    holder.start()
+    holder.join()
+    assert gate.recover() is True
+    gate.set_version(2)
+    assert gate.try_start() and gate.recover() is False

@@ -63,9 +63,9 @@ def test_two_trainer_ranks(tiny_model_dir, tmp_path):
     assert (tmp_path / "checkpoints" / "step_2" / "model.safetensors").exists()
 
 
-def _started_run(run_dir, model_dir):
-    """A long run in the background, returned once it has logged its first step."""
-    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", "steps=1000", *TINY), cwd=ROOT,
+def _started_run(run_dir, model_dir, *overrides, steps=1000):
+    """A run in the background, returned once it has logged its first step."""
+    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *overrides), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
@@ -76,9 +76,49 @@ def _started_run(run_dir, model_dir):
     return proc
 
 
-def test_killed_rollout_worker_ends_the_run_cleanly(tiny_model_dir, tmp_path):
-    before = shm_files()
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def test_processes_carry_readable_names(tiny_model_dir, tmp_path):
     proc = _started_run(tmp_path, tiny_model_dir)
+    try:
+        family = descendants(proc.pid)
+        assert {_cmdline(p) for p in family} >= {"ringrl:rollout-0", "ringrl:trainer-0"}
+        assert {comm(p) for p in family} >= {"rollout-0", "trainer-0"}  # what `top` shows
+    finally:
+        proc.kill()
+        proc.communicate()
+        for p in family:  # the launcher was SIGKILLed: its children follow it (PR_SET_PDEATHSIG)
+            deadline = time.time() + 10
+            while alive(p) and time.time() < deadline:
+                time.sleep(0.1)
+
+
+def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tiny_model_dir, tmp_path):
+    proc = _started_run(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=1", "eval.every=0", steps=300)
+    try:
+        worker = next(p for p in descendants(proc.pid) if _cmdline(p) == "ringrl:rollout-0")
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "rollout-0 died (killed by SIGKILL); restarting it (1/1)" in stderr
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 301))
+    assert rows[-1]["rollout/restarts"] == 1 and rows[-1]["rollout/lost_groups"] >= 0
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_killed_rollout_worker_past_max_restarts_ends_the_run_cleanly(tiny_model_dir, tmp_path):
+    before = shm_files()
+    proc = _started_run(tmp_path, tiny_model_dir, "cluster.max_restarts=0")
     try:
         family = descendants(proc.pid)
         worker = next(p for p in family if comm(p) == "rollout-0")
@@ -95,22 +135,76 @@ def test_killed_rollout_worker_ends_the_run_cleanly(tiny_model_dir, tmp_path):
     assert not [p for p in family if alive(p)], "a child process outlived the run"
     assert shm_files() <= before
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    assert (tmp_path / "checkpoints").exists()  # what was learned before the failure is kept
 
 
-@pytest.mark.parametrize("override, message", [
+def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_path):
+    proc = _started_run(tmp_path, tiny_model_dir, "checkpoint.every=1", steps=1000)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "checkpoints" / "step_1" / "trainer_state.pt").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        family = descendants(proc.pid)
+        trainer = next(p for p in family if _cmdline(p) == "ringrl:trainer-0")
+        os.kill(trainer, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "trainer-0 died (killed by SIGKILL)" in stderr
+    time.sleep(0.5)
+    assert not [p for p in family if alive(p)], "a child process outlived the run"
+    from trainer.checkpoint import latest_resumable
+
+    step, _ = latest_resumable(tmp_path)
+    resumed = subprocess.run(train_cmd(tmp_path, f"resume={tmp_path}", f"steps={step + 1}"), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, step + 2))
+
+
+BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's scratch folder
     ("stepz=3", "unknown config key 'stepz'"),
-    ("max_staleness=-1", "config key 'max_staleness' must be >= 0"),
-    ("algo=grpo algo.clip_eps=3", "config key 'algo.clip_eps' must be in (0, 1)"),
+    ("rollout.group_sise=4", "unknown config key 'rollout.group_sise'"),
+    ("algo=grpo algo.clip_epz=0.2", "unknown config key 'algo.clip_epz' for algo=grpo"),
     ("algo=nope", "unknown algo 'nope'"),
+    ("task=nope", "unknown task 'nope'"),
+    ("steps=0", "config key 'steps' must be >= 1"),
+    ("max_staleness=-1", "config key 'max_staleness' must be >= 0"),
+    ("algo=tb rollout.group_size=1", "config key 'rollout.group_size' must be >= 2"),
+    ("algo=online_dpo rollout.group_size=1", "config key 'rollout.group_size' must be >= 2"),
+    ("train.batch_groups=0", "config key 'train.batch_groups' must be >= 1"),
+    ("rollout.max_new_tokens=0", "config key 'rollout.max_new_tokens' must be >= 1"),
+    ("rollout.temperature=0", "config key 'rollout.temperature' must be > 0"),
+    ("rollout.top_p=1.5", "config key 'rollout.top_p' must be in (0, 1]"),
+    ("rollout.dtype=float16", "config key 'rollout.dtype' must be bfloat16 or float32"),
+    ("algo=grpo algo.clip_eps=3", "config key 'algo.clip_eps' must be in (0, 1)"),
     ("train.lr=fast", "config key 'train.lr' must be of type float"),
+    ("train.lr=-1e-5", "config key 'train.lr' must be > 0"),
+    ("eval.k=0", "config key 'eval.k' must be >= 1"),
+    ("checkpoint.keep=-1", "config key 'checkpoint.keep' must be >= 0"),
+    ("buffer.sampler=lifo", "config key 'buffer.sampler' must be auto, fifo or tba"),
+    ("logger=mlflow", "config key 'logger' must be none, tensorboard or wandb"),
+    ("cluster.threads_per_process=4096", "must fit the"),
+    ("cluster=cpu2 train.batch_groups=3", "config key 'train.batch_groups' must be divisible by cluster.trainer_ranks=2"),
+    ("task.max_operand=0", "config key 'task.max_operand' must be >= 1"),
     ("model.path=/no/such/model", "model.path '/no/such/model' is not a folder"),
-    ("cluster=gpu", "cluster=gpu is not built yet"),
-])
-def test_bad_config_stops_with_one_line(tmp_path, override, message):
-    result = run_train(tmp_path, *override.split(), timeout=60)
-    assert result.returncode == 2
+    ("task=gsm8k task.path={tmp}/nope.jsonl", "nope.jsonl"),
+    ("task=gsm8k task.path={tmp}/garbage.jsonl", "garbage.jsonl"),
+    ("rollout.max_prompt_len=3", "config key 'rollout.max_prompt_len' (3) is below every training prompt"),
+    ("resume={tmp}", "has no config.yaml"),
+    ("cluster=gpu8", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIGS, ids=[o for o, _ in BAD_CONFIGS])
+def test_bad_config_stops_with_one_line_before_any_process(tmp_path, override, message):
+    (tmp_path / "garbage.jsonl").write_text("this is not json\n{\"question\": 1}\n")
+    result = run_train(tmp_path / "run", *override.format(tmp=tmp_path).split(), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
 
 
 def test_every_rule_runs_in_one_sweep(tiny_model_dir, tmp_path):
@@ -200,3 +294,28 @@ def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     time.sleep(0.5)
     assert not [p for p in family if alive(p)], "a child process outlived the run"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    # Ctrl-C wrote a checkpoint of the last finished step, and `resume=` continues from it
+    from trainer.checkpoint import latest_resumable
+
+    step, _ = latest_resumable(tmp_path)
+    assert step >= 1
+    resumed = subprocess.run(train_cmd(tmp_path, f"resume={tmp_path}", f"steps={step + 1}"), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path)][-2:] == [step, step + 1]
+
+
+@pytest.mark.parametrize("mode", ["skip", "truncate"])
+def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, tmp_path, mode):
+    data = tmp_path / "gsm8k.jsonl"
+    padding = " Think about it carefully, step by step, before you answer the question." * 6
+    rows = [{"question": f"What is {i} plus 2?" + (padding if i % 2 else ""), "answer": f"#### {i + 2}"}
+            for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=gsm8k", f"task.path={data}", "task.test_size=2",
+                       "steps=2", "rollout.max_prompt_len=60", f"rollout.long_prompts={mode}", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = _metrics(run_dir)[-1]
+    assert last[f"rollout/prompts_{'skipped' if mode == 'skip' else 'truncated'}"] >= 1
+    assert last[f"rollout/prompts_{'truncated' if mode == 'skip' else 'skipped'}"] == 0

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from buffer.replay import ReplayBuffer
-from rollout import REWARD_ERRORS, REWARD_TIMEOUTS, TOKENS
+from rollout import (LOST_GROUPS, PROMPTS_SKIPPED, PROMPTS_TRUNCATED, RESTARTS, REWARD_ERRORS, REWARD_TIMEOUTS,
+                     STAT_COLUMNS, TOKENS)
 from trainer.batch import pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, LearnerSpec
@@ -45,7 +46,10 @@ def _loop(spec, ring, gate, store, gen_stats, stop):
     start = last_time = time.time() - progress["time_s"]
     last_tokens = 0
 
+    saved = [spec.start_step]
+
     def checkpoint(step):
+        saved[0] = step
         state = {"step": step, "time_s": time.time() - start, "next_group": progress["next_group"],
                  "optimizer": learner.optimizer_state(), "skipped": learner.skipped,
                  "replay": replay.state_dict() if lead else None, "torch_rng": torch.get_rng_state()}
@@ -54,42 +58,51 @@ def _loop(spec, ring, gate, store, gen_stats, stop):
     try:
         for step in range(spec.start_step + 1, spec.steps + 1):
             version = step - 1
+            payload = None  # stays None on rank 0 when the launcher asks to stop: every rank then checkpoints
             if lead:
                 t0 = time.time()
-                fresh, dropped = _take_fresh(ring, gate, replay, spec, version, stop, progress["next_group"])
-                wait_time = time.time() - t0
-                batch = pack(replay.sample(spec.batch_groups, version))
-                # reward and staleness describe the fresh data (the current policy's); replay has its own stats
-                info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
-                        "staleness/dropped_groups": dropped, **replay.stats(), **_staleness(fresh, version)}
-            batch, info = _broadcast((batch, info) if lead else None)
+                try:
+                    fresh, dropped = _take_fresh(ring, gate, replay, spec, version, stop, progress["next_group"])
+                    wait_time = time.time() - t0
+                    batch = pack(replay.sample(spec.batch_groups, version))
+                    # reward and staleness describe the fresh data (the current policy's); replay has its own
+                    info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
+                            "staleness/dropped_groups": dropped, **replay.stats(), **_staleness(fresh, version)}
+                    payload = (batch, info)
+                except Stopped:
+                    pass
+            payload = _broadcast(payload)
+            if payload is None:
+                if version > saved[0]:  # Ctrl-C / SIGTERM: keep what was learned since the last checkpoint
+                    checkpoint(version)
+                raise Stopped
+            batch, info = payload
             t0 = time.time()
             metrics = learner.step(batch, step)
             train_time = time.time() - t0
             learner.publish(store, step)
-            if lead:
+            if lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
                 gate.set_version(step)  # after publishing: new groups must start on the new weights
+                due = step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)
+                results = evaluator(store) if evaluator is not None and due else {}
+                now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
+                logger.log({
+                    "step": step, "time_s": round(now - start, 3),
+                    "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
+                    "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
+                    "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
+                    "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
+                    "reward/batch_mean": batch.rewards.mean().item(),
+                    "reward/timeouts": int(gen_stats[:, REWARD_TIMEOUTS].sum()),
+                    "reward/errors": int(gen_stats[:, REWARD_ERRORS].sum()),
+                    "perf/train_step_s": train_time, "perf/wait_s": wait_time,
+                    "perf/completion_len": batch.mask.sum(1).mean().item(),
+                    **_worker_counters(gen_stats),
+                    **info, **metrics, **results,
+                })
+                last_tokens, last_time = tokens, now
             if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
                 checkpoint(step)
-            if not lead:
-                continue
-            due = step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)
-            results = evaluator(store) if evaluator is not None and due else {}
-            now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
-            logger.log({
-                "step": step, "time_s": round(now - start, 3),
-                "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
-                "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
-                "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
-                "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
-                "reward/batch_mean": batch.rewards.mean().item(),
-                "reward/timeouts": int(gen_stats[:, REWARD_TIMEOUTS].sum()),
-                "reward/errors": int(gen_stats[:, REWARD_ERRORS].sum()),
-                "perf/train_step_s": train_time, "perf/wait_s": wait_time,
-                "perf/completion_len": batch.mask.sum(1).mean().item(),
-                **info, **metrics, **results,
-            })
-            last_tokens, last_time = tokens, now
     finally:
         if logger is not None:
             logger.close()
@@ -149,6 +162,13 @@ def _take_fresh(ring, gate, replay, spec, version, stop, next_group):
         taken.append(group)
     replay.expire_fresh(version, spec.max_staleness)
     return taken, dropped
+
+
+def _worker_counters(gen_stats) -> dict:
+    """Restarts, groups lost with a dead worker, and prompts over the length budget, summed over workers."""
+    totals = gen_stats.sum(0)
+    return {f"rollout/{STAT_COLUMNS[c]}": int(totals[c])
+            for c in (RESTARTS, LOST_GROUPS, PROMPTS_TRUNCATED, PROMPTS_SKIPPED)}
 
 
 def _staleness(fresh: list, version: int) -> dict:
