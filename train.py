@@ -322,7 +322,10 @@ def _write_summary(run_dir, start, error, peak_mb):
 if __name__ == "__main__":
     import signal
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM shuts down like Ctrl-C
+    # SIGTERM shuts down like Ctrl-C; and Ctrl-C works even when started from a shell that ignores SIGINT for
+    # background jobs (Python would otherwise keep the inherited "ignore").
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     resume = [a.partition("=")[2] for a in sys.argv[1:] if a.startswith("resume=")]
     if resume and resume[-1] and not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
         sys.argv.append(f"hydra.run.dir={resume[-1]}")  # a resumed run continues in its own directory
