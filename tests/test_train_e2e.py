@@ -319,3 +319,21 @@ def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, 
     last = _metrics(run_dir)[-1]
     assert last[f"rollout/prompts_{'skipped' if mode == 'skip' else 'truncated'}"] >= 1
     assert last[f"rollout/prompts_{'truncated' if mode == 'skip' else 'skipped'}"] == 0
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb"])
+def test_logger_backends_in_a_real_run(tiny_model_dir, tmp_path, monkeypatch, backend):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=2", f"logger={backend}", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if backend == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
+    else:
+        import glob
+
+        assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
