@@ -25,7 +25,7 @@ class TokenLogprobs(nn.Module):
         assert head.bias is None, "lm_head with a bias is not supported"
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else head.weight.dtype
         flat = _HeadLogprob.apply(picked.flatten(0, 1), head.weight, targets.reshape(-1), temperature, dtype)
-        return flat.reshape(targets.shape)
+        return flat.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
 
 
 class _HeadLogprob(torch.autograd.Function):
