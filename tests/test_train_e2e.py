@@ -76,6 +76,29 @@ def _started_run(run_dir, model_dir, *overrides, steps=1000):
     return proc
 
 
+def _signal_and_wait(proc, pid: int, sig, timeout: float) -> tuple[str, float]:
+    """Send `sig` to `pid` (the run or one of its processes); the run's stderr and the seconds it took to end."""
+    try:
+        os.kill(pid, sig)
+        sent = time.time()
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return stderr, time.time() - sent
+
+
+def _resume_one_more_step(run_dir) -> int:
+    """`resume=` from the latest checkpoint for one more step; returns that checkpoint's step."""
+    from trainer.checkpoint import latest_resumable
+
+    step, _ = latest_resumable(run_dir)
+    resumed = subprocess.run(train_cmd(run_dir, f"resume={run_dir}", f"steps={step + 1}"), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return step
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -103,11 +126,10 @@ def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tiny_model_dir,
     proc = _started_run(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=1", "eval.every=0", steps=300)
     try:
         worker = next(p for p in descendants(proc.pid) if _cmdline(p) == "ringrl:rollout-0")
-        os.kill(worker, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+    stderr, _ = _signal_and_wait(proc, worker, signal.SIGKILL, 240)
     assert proc.returncode == 0, stderr[-3000:]
     assert "rollout-0 died (killed by SIGKILL); restarting it (1/1)" in stderr
     rows = _metrics(tmp_path)
@@ -122,13 +144,11 @@ def test_killed_rollout_worker_past_max_restarts_ends_the_run_cleanly(tiny_model
     try:
         family = descendants(proc.pid)
         worker = next(p for p in family if comm(p) == "rollout-0")
-        os.kill(worker, signal.SIGKILL)
-        killed_at = time.time()
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert time.time() - killed_at < 20
+    except BaseException:
+        proc.kill()
+        raise
+    stderr, took = _signal_and_wait(proc, worker, signal.SIGKILL, 30)
+    assert took < 20
     assert proc.returncode != 0
     assert "rollout-0 died (killed by SIGKILL)" in stderr
     time.sleep(0.5)
@@ -146,20 +166,14 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
             time.sleep(0.1)
         family = descendants(proc.pid)
         trainer = next(p for p in family if _cmdline(p) == "ringrl:trainer-0")
-        os.kill(trainer, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+    stderr, _ = _signal_and_wait(proc, trainer, signal.SIGKILL, 60)
     assert proc.returncode == 1 and "trainer-0 died (killed by SIGKILL)" in stderr
     time.sleep(0.5)
     assert not [p for p in family if alive(p)], "a child process outlived the run"
-    from trainer.checkpoint import latest_resumable
-
-    step, _ = latest_resumable(tmp_path)
-    resumed = subprocess.run(train_cmd(tmp_path, f"resume={tmp_path}", f"steps={step + 1}"), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step = _resume_one_more_step(tmp_path)
     assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, step + 2))
 
 
@@ -281,27 +295,16 @@ def test_missing_dataset_file_stops_with_one_line(tmp_path):
 
 def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     proc = _started_run(tmp_path, tiny_model_dir)
-    try:
-        family = descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGINT)
-        sent = time.time()
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert time.time() - sent < 30
+    family = descendants(proc.pid)
+    stderr, took = _signal_and_wait(proc, proc.pid, signal.SIGINT, 30)
+    assert took < 30
     assert proc.returncode == 130 and "interrupted" in stderr
     time.sleep(0.5)
     assert not [p for p in family if alive(p)], "a child process outlived the run"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
     # Ctrl-C wrote a checkpoint of the last finished step, and `resume=` continues from it
-    from trainer.checkpoint import latest_resumable
-
-    step, _ = latest_resumable(tmp_path)
+    step = _resume_one_more_step(tmp_path)
     assert step >= 1
-    resumed = subprocess.run(train_cmd(tmp_path, f"resume={tmp_path}", f"steps={step + 1}"), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in _metrics(tmp_path)][-2:] == [step, step + 1]
 
 
