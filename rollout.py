@@ -161,3 +161,18 @@ def _to_group(completions: list, rewards: list[float], index: int, group_id: int
         group_id=group_id,
         worker_id=worker_id,
     )
+
+
+def reclaim_worker(ring, gate, gen_stats, w: int) -> int:
+    """After worker w died: its half-written ring slot is freed, the groups it started but never delivered are
+    dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none twice)."""
+    ring.reclaim(w)
+    gate.recover()
+    stats = gen_stats[w]
+    lost = int(stats[STARTED] - stats[GROUPS])
+    if lost > 0:
+        gate.cancel(lost)
+    stats[STARTED] = stats[GROUPS]
+    stats[LOST_GROUPS] += lost
+    stats[RESTARTS] += 1
+    return lost

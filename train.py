@@ -29,13 +29,17 @@ from launch.config import Config, build, check_overrides
 
 def main(raw) -> None:
     if raw.resume:
-        raw = _resumed(raw)
+        from launch.resume import resumed_config
+
+        raw = _or_exit(resumed_config, raw, HydraConfig.get().overrides.task)
     cfg, algo_cfg, task_cfg = _parse(raw)
     run_dir = HydraConfig.get().runtime.output_dir
     from trainer.logger import check_backend
 
     _or_exit(check_backend, cfg.logger)
-    resume = _or_exit(_resume_point, run_dir) if cfg.resume else None
+    from launch.resume import resume_point
+
+    resume = _or_exit(resume_point, run_dir) if cfg.resume else None
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.to_container(raw, resolve=True)))
 
@@ -55,7 +59,7 @@ def main(raw) -> None:
     from evaluate import EvalSpec
     from launch.supervisor import Supervisor
     from models.loader import resolve
-    from rollout import NEXT_GROUP, RESTARTS, STAT_COLUMNS
+    from rollout import NEXT_GROUP, RESTARTS, STAT_COLUMNS, reclaim_worker
     from rollout import run as run_worker
     from trainer.loop import run as run_learner
 
@@ -92,7 +96,7 @@ def main(raw) -> None:
         w = int(name.split("-")[1])
         if gen_stats[w, RESTARTS] >= cluster.max_restarts:
             return False
-        lost = _reclaim(ring, gate, gen_stats, w)
+        lost = reclaim_worker(ring, gate, gen_stats, w)
         print(f"warning: {message.splitlines()[0]}; restarting it ({int(gen_stats[w, RESTARTS])}/"
               f"{cluster.max_restarts}), {lost} unfinished groups dropped", file=sys.stderr)
         spec = dataclasses.replace(worker_specs[w], first_group=int(gen_stats[w, NEXT_GROUP]))
@@ -119,32 +123,6 @@ def main(raw) -> None:
     print(f"done: {run_dir}")
 
 
-def _resumed(raw):
-    """`resume=<run dir>`: that run's saved config, with this command's plain `key=value` overrides on top."""
-    from launch.config import GROUPS
-
-    path = os.path.join(raw.resume, "config.yaml")
-    if not os.path.exists(path):
-        print(f"error: resume={raw.resume} has no config.yaml; pass the directory of a ringrl run", file=sys.stderr)
-        sys.exit(2)
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra."))]
-    for o in overrides:
-        if o.partition("=")[0] in GROUPS:
-            print(f"error: resume cannot change '{o}'; start a new run for another {o.partition('=')[0]}",
-                  file=sys.stderr)
-            sys.exit(2)
-    merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
-    merged.resume = raw.resume
-    return merged
-
-
-def _resume_point(run_dir) -> dict:
-    from trainer.checkpoint import latest_resumable, load_progress
-
-    step, path = latest_resumable(run_dir)
-    return {**load_progress(path), "step": step, "path": path}
-
-
 def _draw_curves(run_dir):
     """curves.png beside metrics.jsonl; a plotting failure must not fail the run."""
     try:
@@ -153,23 +131,6 @@ def _draw_curves(run_dir):
         plot.run_curves(run_dir)
     except Exception as e:
         print(f"warning: curves.png not drawn: {str(e).splitlines()[0]}", file=sys.stderr)
-
-
-def _reclaim(ring, gate, gen_stats, w: int) -> int:
-    """After worker w died: its half-written ring slot is freed, the groups it started but never delivered are
-    dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none twice)."""
-    from rollout import GROUPS, LOST_GROUPS, RESTARTS, STARTED
-
-    ring.reclaim(w)
-    gate.recover()
-    stats = gen_stats[w]
-    lost = int(stats[STARTED] - stats[GROUPS])
-    if lost > 0:
-        gate.cancel(lost)
-    stats[STARTED] = stats[GROUPS]
-    stats[LOST_GROUPS] += lost
-    stats[RESTARTS] += 1
-    return lost
 
 
 def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: int, resume: dict | None):
