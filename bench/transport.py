@@ -7,12 +7,14 @@ Ring: a producer process streams groups through the trajectory ring to this proc
 bytes in one process (the target is 0.5). A put and a get each copy the payload once, in two processes: only
 when they run on two free cores do the copies overlap. `handoff` runs the same two processes with nothing but
 a shared buffer, a semaphore each way, one copy_ in and one clone out: the most any ring could reach on this
-machine at this moment, so `ring/handoff` is the ring's own cost. Small groups are bound by the fixed cost of
-a Python call, not by bytes.
+machine at this moment, so `ring/handoff` is the ring's own cost. Small groups are bound by the ring's fixed
+cost per group (`us/group`: about 20 us of Python calls on each side), not by bytes; the bandwidth figure
+`ring_vs_copy` is the large case's, where bytes dominate.
 
 Weights: a child process publishes SmolLM2-135M's fp32 state dict (random values) to the weight store and this
 process reads it into its own tensors, as the trainer and a rollout worker do; each is timed and compared with
-one `copy_` of the same bytes. Ends with `weights_vs_memcpy=<(publish + read) / copy_>` (the target is <= 3).
+one `copy_` of the same bytes. Ends with `ring_vs_copy=<large case ring/copy_>` (the target is >= 0.5) and
+`weights_vs_memcpy=<(publish + read) / copy_>` (the target is <= 3).
 """
 import argparse
 import os
@@ -172,14 +174,15 @@ def main():
     print(f"ring: a producer process -> this process, {RING_SLOTS} slots; handoff: a bare shared buffer + semaphores, "
           f"copy_ in, clone out; copy_: dst.copy_(src) of one group's bytes here. {args.seconds:g} s each, in turns")
     print(f"{'case':11s} {'K':>3s} {'new':>5s} {'prompt':>6s} {'bytes/group':>11s} {'groups/s':>9s} "
-          f"{'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} {'ring/handoff':>12s} {'ring/copy_':>10s}")
+          f"{'us/group':>8s} {'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} {'ring/handoff':>12s} {'ring/copy_':>10s}")
     for case in RING_CASES:
         name, k, new_tokens, prompt_len = case
         nbytes = payload_bytes(make_group(k, new_tokens, prompt_len))
         rate = ring_rates(ctx, case, args.seconds, args.threads)
         ring, handoff, copy = rate["ring"], rate["handoff"], rate["copy_"]
+        ring_vs_copy = ring / copy  # reported for the last case, the largest groups
         print(f"{name:11s} {k:3d} {new_tokens:5d} {prompt_len:6d} {nbytes:11d} {ring / nbytes:9.0f} "
-              f"{ring / 1e6:9.0f} {copy / 1e6:10.0f} {handoff / 1e6:12.0f} {ring / handoff:12.2f} {ring / copy:10.2f}")
+              f"{1e6 * nbytes / ring:8.1f} {ring / 1e6:9.0f} {copy / 1e6:10.0f} {handoff / 1e6:12.0f} {ring / handoff:12.2f} {ring / copy:10.2f}")
 
     publish_s, read_s, memcpy_s, nbytes = weight_times(ctx, args.reps, args.threads)
     # The first publish and read also map the shared pages into each process: steady state is the median after.
@@ -188,6 +191,7 @@ def main():
           f"seconds per rep, then the median after the first")
     for name, times, median in (("publish", publish_s, publish), ("read_into", read_s, read), ("copy_", memcpy_s, memcpy)):
         print(f"  {name:9s} " + " ".join(f"{t:.3f}" for t in times) + f"  -> {median:.3f} ({nbytes / median / 1e9:.1f} GB/s)")
+    print(f"ring_vs_copy={ring_vs_copy:.2f}")
     print(f"weights_vs_memcpy={(publish + read) / memcpy:.2f}")
 
 

@@ -6,7 +6,9 @@ WRITING -> READY in its producer and READY -> FREE in the consumer, each step on
 process allowed to make it (or by `reclaim` once that producer is dead). The producer copies the group into
 the slot as one byte record, writes its sizes and publish time, then marks it READY; the consumer takes the
 READY slot published first (FIFO across lanes), copies the fields out and frees the slot. Only
-semaphores cross process boundaries; the data is never pickled.
+semaphores cross process boundaries; the data is never pickled. Each process touches the shared tensors through
+numpy views: a numpy scalar store or small copy costs a tenth of a torch call, and a group's fixed cost is a
+few dozen such calls.
 
 Semaphores count slots (FREE per lane, READY overall) so that waiting never spins, but the states are the
 truth: a waiter that wakes to find nothing waits again. After a producer dies, the launcher calls
@@ -16,10 +18,12 @@ or never gave because it died between two steps.
 
 Like engines/weights.py, this relies on stores becoming visible in program order (x86-64).
 """
+import functools
 import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -33,6 +37,9 @@ FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("comple
           ("truncated", torch.bool))
 
 
+NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def _shapes(P: int, K: int, N: int) -> list[tuple]:
     """The shapes of FIELDS for a prompt of P tokens and K completions of width N."""
     return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,)]
@@ -40,6 +47,20 @@ def _shapes(P: int, K: int, N: int) -> list[tuple]:
 
 def _sizes(shapes: list[tuple]) -> list[int]:
     return [math.prod(shape) * dtype.itemsize for shape, (_, dtype) in zip(shapes, FIELDS)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(P: int, K: int, N: int) -> tuple[list[tuple], list[int]]:
+    """Shapes and byte sizes of FIELDS for one group, cached: a run sees few distinct (P, N)."""
+    shapes = _shapes(P, K, N)
+    return shapes, _sizes(shapes)
+
+
+def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """The tensor's values in `dtype` as a flat numpy byte array (a view when no cast or copy is needed)."""
+    if tensor.dtype != dtype or not tensor.is_contiguous():
+        tensor = tensor.to(dtype).contiguous()
+    return tensor.numpy().reshape(-1).view(np.uint8)
 
 
 @dataclass
@@ -87,6 +108,18 @@ class TrajectoryRing:
         self._state = _shared(S, dtype=torch.int64)
         self._free = [ctx.Semaphore(self.lane_slots) for _ in range(num_producers)]  # a full lane blocks its producer
         self._ready = ctx.Semaphore(0)  # the consumer blocks here while nothing is READY
+        self._views()
+
+    def _views(self) -> None:
+        self._records_np, self._meta_np, self._state_np = (t.numpy() for t in (self._records, self._meta, self._state))
+
+    def __getstate__(self) -> dict:
+        # numpy arrays pickle by value: a child gets the shared tensors and makes its own views of them.
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_np")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     def __len__(self) -> int:
         return int((self._state == READY).sum())
@@ -96,22 +129,24 @@ class TrajectoryRing:
         drops). False only if `timeout` ran out. One process per worker id."""
         self._check(group)
         lane = self._lane(group.worker_id)
-        parts = [getattr(group, name).to(dtype).reshape(-1).view(torch.uint8) for name, dtype in FIELDS]
+        parts = [_as_bytes(getattr(group, name), dtype) for name, dtype in FIELDS]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if not self._free[group.worker_id].acquire(timeout=_left(deadline)):
                 return False
-            free = (self._state[lane] == FREE).nonzero()
+            free = np.flatnonzero(self._state_np[lane] == FREE)
             if len(free):
                 break
         slot = lane.start + int(free[0])
-        self._state[slot] = WRITING
-        record = self._records[slot, :sum(part.numel() for part in parts)]
-        torch.cat(parts, out=record)
+        self._state_np[slot] = WRITING
+        record, offset = self._records_np[slot], 0
+        for part in parts:
+            record[offset:offset + len(part)] = part
+            offset += len(part)
         P, N = group.prompt_ids.shape[0], group.completion_ids.shape[1]
         # CLOCK_MONOTONIC is one clock for all processes, so publish times order groups across lanes.
-        self._meta[slot] = torch.tensor([P, N, group.prompt_index, group.group_id, group.worker_id, time.monotonic_ns()])
-        self._state[slot] = READY
+        self._meta_np[slot] = (P, N, group.prompt_index, group.group_id, group.worker_id, time.monotonic_ns())
+        self._state_np[slot] = READY
         self._ready.release()
         return True
 
@@ -121,20 +156,20 @@ class TrajectoryRing:
         while True:
             if not self._ready.acquire(timeout=_left(deadline)):
                 return None
-            ready = (self._state == READY).nonzero()[:, 0]
+            ready = np.flatnonzero(self._state_np == READY)
             if len(ready):
                 break
-        slot = int(ready[self._meta[ready, PUBLISHED_NS].argmin()])
-        P, N, prompt_index, group_id, worker_id, _ = self._meta[slot].tolist()
-        shapes = _shapes(P, self.group_size, N)
-        sizes = _sizes(shapes)
+        slot = int(ready[self._meta_np[ready, PUBLISHED_NS].argmin()])
+        P, N, prompt_index, group_id, worker_id, _ = self._meta_np[slot].tolist()
         # A copy per field: one shared buffer would let any field kept alone (the replay buffer keeps prompts)
         # hold, and checkpoint, the whole group.
-        record = self._records[slot, :sum(sizes)]
-        fields = {name: part.view(dtype).view(shape).clone()
-                  for (name, dtype), part, shape in zip(FIELDS, record.split(sizes), shapes)}
+        record, offset, fields = self._records_np[slot], 0, {}
+        for (name, dtype), shape, size in zip(FIELDS, *_layout(P, self.group_size, N)):
+            data = record[offset:offset + size].view(NUMPY_DTYPES[dtype]).reshape(shape)
+            fields[name] = torch.from_numpy(data.copy())
+            offset += size
         group = Group(**fields, prompt_index=prompt_index, group_id=group_id, worker_id=worker_id)
-        self._state[slot] = FREE
+        self._state_np[slot] = FREE
         self._free[slot // self.lane_slots].release()
         return group
 

@@ -53,8 +53,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Every test leaves no child process running and no new file in /dev/shm."""
-    from tests.helpers import alive, descendants, shm_files
+    """Every test leaves no child process running and no new file in /dev/shm (another test run's files, still
+    in use by its processes, aside)."""
+    from tests.helpers import alive, descendants, in_use_elsewhere, shm_files
 
     before = shm_files()
     yield
@@ -66,7 +67,9 @@ def no_leaks():
         time.sleep(0.2)  # processes the test stopped may take a moment to be reaped
     leftovers = leftovers()
     assert not leftovers, f"child processes left running: {leftovers}"
-    assert shm_files() <= before, f"left in /dev/shm: {sorted(shm_files() - before)}"
+    new = shm_files() - before
+    left = new - in_use_elsewhere(new) if new else set()
+    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def _is_mp_helper(pid: int) -> bool:

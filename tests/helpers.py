@@ -55,5 +55,27 @@ def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def in_use_elsewhere(names: set[str]) -> set[str]:
+    """Those of `names` (entries of /dev/shm) that a live process outside this test process's tree has mapped:
+    another test run's semaphores, in use, not our leftovers. A named semaphore stays mapped while it is open;
+    /proc/PID/maps shows it under the temporary name glibc created it with, so it is matched by inode."""
+    inodes = {}
+    for name in names:
+        try:
+            inodes[os.stat(f"/dev/shm/{name}").st_ino] = name
+        except OSError:
+            pass
+    ours = {os.getpid(), *descendants(os.getpid())}
+    used = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in ours:
+            try:
+                with open(f"/proc/{entry}/maps") as f:
+                    used.update(inodes.get(int(line.split()[4]), None) for line in f if "/dev/shm/" in line)
+            except (OSError, IndexError, ValueError):
+                pass
+    return used - {None}
+
+
 TINY = ("rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.max_batch=16", "train.batch_groups=2",
         "train.micro_groups=2")
