@@ -14,7 +14,7 @@ import torch
 
 import tasks
 from buffer.ring import Group
-from engines.cpu import CPUEngine, Request, SamplingParams
+from engines.cpu import Request, SamplingParams
 from rewards.pool import RewardPool
 
 # Columns of the shared per-worker counters, read by the learner for its metrics and by the launcher when a
@@ -35,12 +35,10 @@ class WorkerSpec:
     task: str
     task_cfg: object
     group_size: int
-    max_batch: int
-    max_len: int
+    engine: object  # how to build the engine: engines.cpu.CPUEngineSpec or engines.sglang.SGLangSpec
     sampling: SamplingParams
     reward_workers: int = 1  # verifier processes (0: score in this process, no timeout)
     reward_timeout_s: float = 5.0  # a verifier slower than this scores 0 and is counted
-    dtype: str = "float32"  # the engine's weights: float32 | bfloat16
     init_path: str = ""  # starting weights (a checkpoint when resuming); "" = model_path
     start_version: int = 0  # policy version of those weights
     first_group: int = 0  # groups of this worker already delivered (resuming): skip their prompts
@@ -57,24 +55,21 @@ def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int
         yield from shard
 
 
-def run(spec: WorkerSpec, ring, gate, store, gen_stats, stop) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def run(spec: WorkerSpec, ring, gate, weights, gen_stats, stop) -> None:
+    """One rollout worker. `weights` is the plan's weight path: a WeightStore (CPU) or a GPUWeights."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
-    with RewardPool(task.reward, spec.reward_workers, spec.reward_timeout_s, task.reward_options) as pool:
-        _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool)
+    seed = spec.seed * 1000 + spec.worker_id
+    with (RewardPool(task.reward, spec.reward_workers, spec.reward_timeout_s, task.reward_options) as pool,
+          spec.engine.open(spec.init_path or spec.model_path, seed) as engine):
+        engine.set_version(spec.start_version)
+        sync = weights.follower(engine, spec.worker_id)
+        _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, pool)
 
 
-def _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(spec.init_path or spec.model_path, dtype=torch.float32)
-    engine = CPUEngine(model, max_batch=spec.max_batch, max_len=spec.max_len, seed=spec.seed * 1000 + spec.worker_id,
-                       dtype=getattr(torch, spec.dtype))
-    del model
-    engine.set_version(spec.start_version)
-    weights = engine.weight_tensors()
+def _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, pool):
     stream = prompt_stream(len(task.train), spec.worker_id, spec.num_workers, spec.seed)
     for _ in range(spec.first_group):
         next(stream)
@@ -106,10 +101,22 @@ def _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool):
                 return index, ids[:spec.max_prompt_len - tail] + ids[-tail:]
             stats[PROMPTS_SKIPPED] += 1
 
+    def finish(done):
+        stats[TOKENS] += len(done.token_ids)
+        group_id, sample = divmod(done.request_id, k)
+        index, samples = open_groups[group_id]
+        samples[sample] = done
+        if len(samples) == k:
+            del open_groups[group_id]
+            completions = [samples[i] for i in range(k)]
+            texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            handle = pool.submit(texts, [task.train[index].answer] * k)
+            scoring.append((completions, index, group_id, handle))
+
     stats = gen_stats[spec.worker_id]
     while not stop.is_set():
-        if store.version > engine.version:
-            engine.set_version(store.read_into(weights))
+        for done in sync():  # new weights, if any; an engine that interrupts requests to load them may finish some
+            finish(done)
         while engine.free_slots() - engine.num_waiting() >= k and gate.try_start():
             start_group()
         while scoring and scoring[0][3].done():
@@ -127,16 +134,7 @@ def _generate(spec, ring, gate, store, gen_stats, stop, tokenizer, task, pool):
                 start_group()
             continue
         for done in engine.step():
-            stats[TOKENS] += len(done.token_ids)
-            group_id, sample = divmod(done.request_id, k)
-            index, samples = open_groups[group_id]
-            samples[sample] = done
-            if len(samples) == k:
-                del open_groups[group_id]
-                completions = [samples[i] for i in range(k)]
-                texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                handle = pool.submit(texts, [task.train[index].answer] * k)
-                scoring.append((completions, index, group_id, handle))
+            finish(done)
 
 
 def _to_group(completions: list, rewards: list[float], index: int, group_id: int, worker_id: int) -> Group:

@@ -5,6 +5,7 @@
     python train.py -m max_staleness=0,1,2,4      # a sweep, one run after another
     python train.py model.path=<HF dir or hub id> steps=100 train.lr=1e-5
     python train.py resume=outputs/<date>/<time>  # continue a run from its latest checkpoint
+    python train.py algo=tb task=gsm8k cluster=gpu8 model.path=Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs (docs/gpu.md)
     python plot.py multirun/<date>/<time>         # a sweep side by side: sweep.png and a table
 
 Rollout workers generate while trainer ranks learn; trajectories cross through a shared-memory ring,
@@ -16,7 +17,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -48,57 +48,71 @@ def main(raw) -> None:
     # Heavy imports after the config is known to be good: a typo should fail in a second.
     import torch
 
-    _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
+    plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
     pin_threads(cfg.cluster.threads_per_process)
 
     torch.set_num_threads(cfg.cluster.threads_per_process)
+    from models.loader import resolve
+
+    model_path = _or_exit(resolve, cfg.model.path)
+    if cfg.eval.only:
+        return _evaluate_only(cfg, task_cfg, model_path, run_dir)
+    plan = _or_exit(_plan, plan_name, cfg, model_path)
+    error = run(cfg, algo_cfg, task_cfg, plan, model_path, run_dir, resume, OmegaConf.to_container(raw, resolve=True))
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(130 if error == "interrupted" else 1)
+    print(f"done: {run_dir}")
+
+
+def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict) -> str | None:
+    """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None."""
+    import torch
+
     import tasks
     from buffer.ring import TrajectoryRing
     from buffer.staleness import StalenessGate
-    from engines.weights import WeightStore
-    from evaluate import EvalSpec
+    from launch.plan import free_port
     from launch.supervisor import Supervisor
-    from models.loader import resolve
     from rollout import NEXT_GROUP, RESTARTS, STAT_COLUMNS, reclaim_worker
     from rollout import run as run_worker
     from trainer.loop import run as run_learner
 
-    model_path = _or_exit(resolve, cfg.model.path)
     task = _or_exit(tasks.get(task_cfg.name).build, task_cfg, cfg.seed)
     max_prompt_len = _max_prompt_len(model_path, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     rollout, train, cluster = cfg.rollout, cfg.train, cfg.cluster
-    eval_spec = EvalSpec(cfg.eval.k, cfg.eval.temperature, rollout.max_new_tokens, cfg.eval.max_examples,
-                         _stop_ids(model_path), cfg.seed, cfg.reward.workers, cfg.reward.timeout_s, cfg.rollout.dtype)
-    if cfg.eval.only:
-        return _evaluate_only(model_path, task, eval_spec, run_dir)
+    workers = plan.rollout_workers
 
     # Every shared object exists before the first spawn; children receive them as arguments.
     # Each worker owns a lane of slots; one lane can hold every group the staleness bound lets it start.
     lane = (cfg.max_staleness + 1) * train.batch_groups + 1
-    ring = TrajectoryRing(cluster.rollout_workers * lane, rollout.group_size, max_prompt_len, rollout.max_new_tokens,
-                          num_producers=cluster.rollout_workers)
+    ring = TrajectoryRing(workers * lane, rollout.group_size, max_prompt_len, rollout.max_new_tokens,
+                          num_producers=workers)
     gate = StalenessGate(train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0)
-    store = WeightStore.for_model(_meta_model(model_path))
-    gen_stats = torch.zeros(cluster.rollout_workers, len(STAT_COLUMNS), dtype=torch.long).share_memory_()
+    weights = plan.weights(_meta_model(model_path))
+    gen_stats = torch.zeros(workers, len(STAT_COLUMNS), dtype=torch.long).share_memory_()
 
     sup = Supervisor()
-    shared = (ring, gate, store, gen_stats, sup.stop)
-    port = _free_port()
+    shared = (ring, gate, weights, gen_stats, sup.stop)
+    port = free_port()
     start = time.time()
     error = None
-    worker_specs = [_worker_spec(cfg, task_cfg, w, model_path, max_prompt_len, resume)
-                    for w in range(cluster.rollout_workers)]
+    engine_len = max_prompt_len + rollout.max_new_tokens
+    eval_spec = _eval_spec(cfg, model_path)
+    engines = [plan.engine(w, rollout.max_batch, engine_len, rollout.dtype) for w in range(workers)]
+    worker_specs = [_worker_spec(cfg, task_cfg, w, workers, engine, model_path, max_prompt_len, resume)
+                    for w, engine in enumerate(engines)]
 
     def restart_worker(name: str, message: str) -> bool:
         """A rollout worker died: free what it held and start a new one where it stopped, up to max_restarts."""
         if not name.startswith("rollout-"):
             return False
         w = int(name.split("-")[1])
-        if gen_stats[w, RESTARTS] >= cluster.max_restarts:
+        if gen_stats[w, RESTARTS] >= plan.max_restarts:
             return False
         lost = reclaim_worker(ring, gate, gen_stats, w)
         print(f"warning: {message.splitlines()[0]}; restarting it ({int(gen_stats[w, RESTARTS])}/"
-              f"{cluster.max_restarts}), {lost} unfinished groups dropped", file=sys.stderr)
+              f"{plan.max_restarts}), {lost} unfinished groups dropped", file=sys.stderr)
         spec = dataclasses.replace(worker_specs[w], first_group=int(gen_stats[w, NEXT_GROUP]))
         sup.start(name, run_worker, (spec, *shared), cluster.threads_per_process)
         return True
@@ -106,9 +120,10 @@ def main(raw) -> None:
     try:
         for w, spec in enumerate(worker_specs):
             sup.start(f"rollout-{w}", run_worker, (spec, *shared), cluster.threads_per_process)
-        for r in range(cluster.trainer_ranks):
-            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, port, model_path, run_dir, eval_spec, resume,
-                                 OmegaConf.to_container(raw, resolve=True))
+        plan.wait_for_engines(weights, sup)
+        for r in range(plan.trainer_ranks):
+            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, plan, port, model_path, run_dir, eval_spec, resume,
+                                 config)
             sup.start(f"trainer-{r}", run_learner, (spec, *shared), cluster.threads_per_process, essential=True)
         error = sup.watch(on_failure=restart_worker)
     except KeyboardInterrupt:
@@ -117,10 +132,23 @@ def main(raw) -> None:
         sup.shutdown()
         _write_summary(run_dir, start, error, sup.peak_mb)
         _draw_curves(run_dir)
-    if error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(130 if error == "interrupted" else 1)
-    print(f"done: {run_dir}")
+    return error
+
+
+def _plan(name: str, cfg, model_path: str):
+    """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
+    from launch.plan import CPUPlan
+
+    if name == "cpu":
+        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts)
+    import torch
+
+    from launch.gpu import gpu_plan
+
+    plan = gpu_plan(cfg.cluster, cfg.train.batch_groups, _meta_model(model_path), torch.cuda.device_count(),
+                    torch.cuda.get_device_properties(0).total_memory)
+    print(f"gpu plan: {plan.layout.describe()}")
+    return plan
 
 
 def _draw_curves(run_dir):
@@ -133,26 +161,26 @@ def _draw_curves(run_dir):
         print(f"warning: curves.png not drawn: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
-def _worker_spec(cfg, task_cfg, worker: int, model_path: str, max_prompt_len: int, resume: dict | None):
+def _worker_spec(cfg, task_cfg, worker: int, workers: int, engine, model_path: str, max_prompt_len: int,
+                 resume: dict | None):
     from engines.cpu import SamplingParams
     from rollout import WorkerSpec
 
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, _stop_ids(model_path))
-    return WorkerSpec(worker, cfg.cluster.rollout_workers, cfg.seed, model_path, task_cfg.name, task_cfg,
-                      r.group_size, r.max_batch, max_prompt_len + r.max_new_tokens, sampling, cfg.reward.workers,
-                      cfg.reward.timeout_s, r.dtype, resume["path"] if resume else "",
+    return WorkerSpec(worker, workers, cfg.seed, model_path, task_cfg.name, task_cfg, r.group_size, engine, sampling,
+                      cfg.reward.workers, cfg.reward.timeout_s, resume["path"] if resume else "",
                       resume["step"] if resume else 0, resume["next_group"].get(worker, 0) if resume else 0,
                       max_prompt_len, r.long_prompts)
 
 
-def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str, run_dir: str, eval_spec,
+def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, plan, port: int, model_path: str, run_dir: str, eval_spec,
                   resume: dict | None, config: dict):
     from trainer.learner import LearnerSpec
 
     train, buffer = cfg.train, cfg.buffer
     return LearnerSpec(
-        rank=rank, world_size=cfg.cluster.trainer_ranks, port=port, model_path=model_path, run_dir=run_dir,
+        rank=rank, world_size=plan.trainer_ranks, port=port, model_path=model_path, run_dir=run_dir,
         steps=cfg.steps, seed=cfg.seed, max_staleness=cfg.max_staleness, batch_groups=train.batch_groups,
         micro_groups=train.micro_groups, group_size=cfg.rollout.group_size,
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, lr=train.lr,
@@ -161,21 +189,31 @@ def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, port: int, model_path: str
         progress=cfg.progress and rank == 0, sampler=_sampler(buffer.sampler, algo_cfg.name),
         recent_prob=buffer.recent_prob, inv_temp=buffer.inv_temp, per_prompt_capacity=buffer.per_prompt_capacity,
         task=task_cfg.name, task_cfg=task_cfg, eval_every=cfg.eval.every, eval=eval_spec,
-        num_workers=cfg.cluster.rollout_workers, init_path=resume["path"] if resume else "",
+        num_workers=plan.rollout_workers, init_path=resume["path"] if resume else "",
         start_step=resume["step"] if resume else 0, checkpoint_keep=cfg.checkpoint.keep, logger=cfg.logger,
-        config=config)
+        config=config, placement=plan.placement(rank))
 
 
-def _evaluate_only(model_path, task, spec, run_dir) -> None:
+def _eval_spec(cfg, model_path: str):
+    from evaluate import EvalSpec
+
+    e = cfg.eval
+    return EvalSpec(e.k, e.temperature, cfg.rollout.max_new_tokens, e.max_examples, _stop_ids(model_path), cfg.seed,
+                    cfg.reward.workers, cfg.reward.timeout_s, cfg.rollout.dtype)
+
+
+def _evaluate_only(cfg, task_cfg, model_path, run_dir) -> None:
     """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import tasks
     from evaluate import evaluate
 
+    task = _or_exit(tasks.get(task_cfg.name).build, task_cfg, cfg.seed)
     start = time.time()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    results = evaluate(model, AutoTokenizer.from_pretrained(model_path), task, spec)
+    results = evaluate(model, AutoTokenizer.from_pretrained(model_path), task, _eval_spec(cfg, model_path))
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 0, "time_s": round(time.time() - start, 3), **results}) + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -247,12 +285,6 @@ def _meta_model(model_path):
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_summary(run_dir, start, error, peak_mb):

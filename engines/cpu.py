@@ -9,6 +9,7 @@ finishes. Between steps a rollout worker may `.copy_()` new weights into `weight
 """
 import heapq
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -249,3 +250,19 @@ class CPUEngine:
     def _release(self, slot: int) -> None:
         del self.running[slot]
         heapq.heappush(self.free, slot)
+
+
+@dataclass(frozen=True)
+class CPUEngineSpec:
+    """How a rollout worker on the CPU plan builds its engine (engines/sglang.py's SGLangSpec on the GPU plan)."""
+    max_batch: int  # sequences decoded together (cache slots)
+    max_len: int  # prompt + completion tokens of the longest sequence
+    dtype: str = "float32"  # the engine's weights: float32 | bfloat16
+
+    @contextmanager
+    def open(self, weights_path: str, seed: int):
+        from transformers import AutoModelForCausalLM
+
+        # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
+        yield CPUEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
+                        self.max_len, seed, getattr(torch, self.dtype))

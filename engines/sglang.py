@@ -12,7 +12,9 @@ is in `SGLangBackend`, so the rest runs on the CPU in tests against a fake backe
 """
 import asyncio
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engines.cpu import Completion, Request, SamplingParams, check_request
 
@@ -161,6 +163,28 @@ class SGLangEngine:
         interrupted.sort(key=lambda p: p.request.request_id)
         self.waiting.extendleft(reversed(interrupted))
         return finished
+
+
+@dataclass(frozen=True)
+class SGLangSpec:
+    """How a rollout worker on the GPU plan builds its engine (launch/gpu.py fills it from the layout)."""
+    tp_size: int  # GPUs of this engine
+    base_gpu_id: int  # the first of them; the rest follow (SGLang's gpu_id_step=1)
+    mem_fraction_static: float  # SGLang's share of each of its GPUs: weights + KV cache
+    max_batch: int  # requests in flight at once
+    dtype: str = "bfloat16"
+    # Builds the backend from SGLangBackend's arguments; None: SGLang itself. The CPU tests pass a fake.
+    backend: Callable | None = None
+
+    @contextmanager
+    def open(self, weights_path: str, seed: int):
+        make = self.backend or SGLangBackend
+        engine = SGLangEngine(max_batch=self.max_batch, backend=make(
+            weights_path, self.tp_size, self.base_gpu_id, self.mem_fraction_static, seed, self.dtype))
+        try:
+            yield engine
+        finally:
+            engine.shutdown()  # SGLang's scheduler processes go with it
 
 
 class SGLangBackend:

@@ -138,10 +138,12 @@ class WeightChannel:
         self.acks.put((engine, version, index))
 
     def wait_acks(self, version: int, index: int, count: int, stop=None, timeout_s: float = 600.0) -> None:
-        """Block until `count` engines acked bucket `index` of `version` (have loaded it)."""
+        """Block until `count` engines acked bucket `index` of `version` (have loaded it), or `stop` is set."""
         seen, deadline = set(), time.time() + timeout_s
         while len(seen) < count:
-            if (stop is not None and stop.is_set()) or time.time() > deadline:
+            if stop is not None and stop.is_set():
+                return
+            if time.time() > deadline:
                 raise RuntimeError(f"engines did not load weight bucket {index} of version {version} in time")
             try:
                 engine, v, i = self.acks.get(timeout=0.5)
@@ -162,32 +164,69 @@ class Publisher:
     mode "ipc": each engine gets CUDA IPC handles of rank 0's bucket; "nccl": rank 0 broadcasts the bucket to
     a process group of itself and every engine TP rank. Either way rank 0 fills the next bucket only after
     every engine has acked this one: one bucket of extra GPU memory, and versions never interleave.
+    Once `stop` is set rank 0 ships nothing more but still walks the weights, so the other ranks' gathers end.
     """
 
     def __init__(self, named, tied: bool, channel: WeightChannel, engine_tp_sizes: list[int], lead: bool,
                  device, bucket_bytes: int = 512 << 20, mode: str = "ipc", dtype=torch.bfloat16,
-                 nccl_address: tuple[str, int] | None = None, serialize=None, group_name: str = "ringrl-weights"):
+                 nccl_address: tuple[str, int] | None = None, serialize=None, group_name: str = "ringrl-weights",
+                 stop=None):
         if mode not in ("ipc", "nccl"):
             raise ValueError(f"weight sync mode must be ipc or nccl, got {mode!r}")
         self.tied, self.channel, self.tp_sizes, self.mode = tied, channel, list(engine_tp_sizes), mode
         self.buckets = plan_buckets(weight_specs(named, tied, dtype), bucket_bytes)
         self.device = device if lead else None
         self.serialize = serialize or ipc_payloads
+        self.stop = stop
         self.group = None
         if lead and mode == "nccl":
             self.group = nccl_trainer_group(*nccl_address, 1 + sum(self.tp_sizes), group_name)
 
-    def publish(self, named, version: int, stop=None) -> None:
+    def publish(self, named, version: int) -> None:
         def ship(index, flat, slots):
+            if self.stop is not None and self.stop.is_set():
+                return
             last = index == len(self.buckets) - 1
             for engine, tp in enumerate(self.tp_sizes):
                 payloads = self.serialize(flat, slots, tp) if self.mode == "ipc" else None
                 self.channel.send(engine, BucketMessage(version, index, last, slots, payloads))
             if self.group is not None:
                 nccl_broadcast(flat, self.group)
-            self.channel.wait_acks(version, index, len(self.tp_sizes), stop)
+            self.channel.wait_acks(version, index, len(self.tp_sizes), self.stop)
 
         send_buckets(engine_weights(named, self.tied), self.buckets, self.device, ship)
+
+
+class GPUWeights:
+    """The GPU plan's weight path, built by the launcher and handed to every process (as the CPU plan hands
+    out its WeightStore): a rollout worker takes `follower`, a trainer rank `publisher`.
+
+    serialize: a bucket -> one payload per TP rank (None: CUDA IPC handles); the CPU tests pass plain bytes.
+    """
+
+    def __init__(self, channel: WeightChannel, engine_tp_sizes: list[int], mode: str = "ipc",
+                 bucket_bytes: int = 512 << 20, nccl_address: tuple[str, int] | None = None, serialize=None):
+        self.channel, self.tp_sizes, self.mode, self.bucket_bytes = channel, list(engine_tp_sizes), mode, bucket_bytes
+        self.nccl_address, self.serialize = nccl_address, serialize
+        self.ready = torch.zeros(len(self.tp_sizes), dtype=torch.uint8).share_memory_()  # per engine: it is up
+
+    def follower(self, engine, index: int) -> Callable[[], list]:
+        """Engine `index`'s end: `sync()` between steps loads a new version if rank 0 ships one (interrupting
+        and resubmitting the requests in flight); it returns the requests that finished meanwhile."""
+        self.ready[index] = 1  # before the NCCL join, which waits for rank 0, which may wait for this flag
+        if self.mode == "nccl":
+            engine.join_weight_group(*self.nccl_address, 1 + sum(self.tp_sizes[:index]), 1 + sum(self.tp_sizes))
+        return lambda: engine.sync_weights(self.channel, index)
+
+    def engines_ready(self) -> bool:
+        return bool(self.ready.all())
+
+    def publisher(self, policy, lead: bool, stop) -> Callable:
+        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights."""
+        device = next(policy.parameters()).device
+        return Publisher(policy.state_dict().items(), policy.lm.config.tie_word_embeddings, self.channel,
+                         self.tp_sizes, lead, device, self.bucket_bytes, self.mode,
+                         nccl_address=self.nccl_address, serialize=self.serialize, stop=stop).publish
 
 
 # ---- the SGLang and NCCL calls (run only with CUDA and sglang installed) ----

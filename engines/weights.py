@@ -14,7 +14,7 @@ Copies run on torch's intra-op threads: keep the threads of all processes on a b
 per-tensor copy waits a scheduler slice for a descheduled thread (measured 15-30x slower on 2 busy cores).
 """
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -52,6 +52,30 @@ class WeightStore:
     @property
     def names(self) -> list[str]:
         return list(self._layout)
+
+    def follower(self, engine, index: int) -> Callable[[], list]:
+        """A rollout worker's end: `sync()` between decode steps loads a newer version into `engine` (whose
+        sequences in flight continue); it returns the requests that finished meanwhile, none here."""
+        targets = engine.weight_tensors()
+
+        def sync() -> list:
+            if self.version > engine.version:
+                engine.set_version(self.read_into(targets))
+            return []
+
+        return sync
+
+    def publisher(self, policy, lead: bool, stop) -> Callable:
+        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights (their
+        gathers are collectives); rank 0 writes them."""
+        def publish(tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+            if lead:
+                self.publish(tensors, version)
+            else:
+                for _ in tensors:
+                    pass
+
+        return publish
 
     def _view(self, name: str) -> torch.Tensor:
         dtype, offset, shape = self._layout[name]

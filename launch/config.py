@@ -24,10 +24,10 @@ class ModelConfig:
 @dataclass
 class ClusterConfig:
     plan: str = "auto"  # auto | cpu | gpu: where generation and training run
-    rollout_workers: int = 1  # generation processes
-    trainer_ranks: int = 1  # FSDP2 training processes
+    rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
+    trainer_ranks: int = 1  # FSDP2 training processes (CPU plan; on the GPU plan, one per training GPU)
     threads_per_process: int = 1  # torch threads per process, so the cores are not oversubscribed
-    max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops
+    max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops (CPU plan)
     oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
     # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):
     gen_gpus: int = 0  # GPUs running SGLang engines (0: half, in whole tensor-parallel groups)

@@ -1,17 +1,52 @@
-"""The device plan: where generation and training run."""
+"""The device plan: where generation and training run, and the pieces each plan gives the launcher.
+
+A plan object (`CPUPlan` here, launch/gpu.py's `GPUPlan`) tells train.py how many rollout workers and trainer
+ranks to start, what weight path joins them (`weights`), how each worker builds its engine (`engine`) and
+where each trainer rank runs (`placement`); train.py's loops and the processes' loops are the same for both.
+"""
+import importlib.util
 import os
+import socket
+from dataclasses import dataclass
+
+from launch.layout import auto_plan
 
 
 def device_plan(plan: str, num_gpus: int) -> str:
-    """`cpu`, or `gpu` (SGLang engines + FSDP2/NCCL ranks, laid out by launch/layout.py). `auto` stays on the CPU
-    until the GPU launch path is wired into train.py; its parts live in engines/sglang.py, engines/weight_sync.py
-    and trainer/gpu_policy.py (docs/gpu.md)."""
-    if plan == "gpu":
-        if num_gpus == 0:
-            raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu")
-        raise ValueError("cluster.plan=gpu: the GPU launch path is not wired into train.py yet (docs/gpu.md lists "
-                         "what exists); use cluster=cpu")
-    return "cpu"
+    """`cpu` or `gpu`; `auto` is gpu when torch sees CUDA GPUs. The GPU plan needs SGLang installed."""
+    chosen = auto_plan(num_gpus) if plan == "auto" else plan
+    if chosen == "gpu" and num_gpus == 0:
+        raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu")
+    if chosen == "gpu" and importlib.util.find_spec("sglang") is None:
+        raise ValueError(f"cluster.plan={plan} runs SGLang on the {num_gpus} CUDA GPU(s) here and it is not "
+                         "installed: pip install -r requirements-gpu.txt (docs/gpu.md), or use cluster=cpu")
+    return chosen
+
+
+@dataclass(frozen=True)
+class CPUPlan:
+    """Built-in CPU engines, FSDP2 over gloo, weights through a shared-memory WeightStore."""
+    rollout_workers: int
+    trainer_ranks: int
+    max_restarts: int  # a dead rollout worker is restarted this many times
+
+    def weights(self, meta_model):
+        from engines.weights import WeightStore
+
+        return WeightStore.for_model(meta_model)
+
+    def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
+        from engines.cpu import CPUEngineSpec
+
+        return CPUEngineSpec(max_batch, max_len, dtype)
+
+    def placement(self, rank: int):
+        from trainer.policy import CPUPlacement
+
+        return CPUPlacement()
+
+    def wait_for_engines(self, weights, sup) -> None:
+        """CPU engines claim no memory that the trainers must leave them: the trainers start at once."""
 
 
 def pin_threads(threads: int) -> None:
@@ -20,3 +55,9 @@ def pin_threads(threads: int) -> None:
         os.environ[var] = str(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one progress bar (ours), not one per load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,13 +2,18 @@
 
 CPU: layout planning for 1, 2, 4 and 8 GPUs; FSDP names -> engine names; weight bucketing and the bucket
 protocol between trainer and engines; interrupted generation resubmitted with the remaining budget (a fake
-stands in for SGLang); the variable-length packing flash-attn needs, against the shared-prompt packing.
+stands in for SGLang); the variable-length packing flash-attn needs, against the shared-prompt packing; the
+device plan and the GPU plan's checks; and train.run end to end with the GPU plan, on gloo and the CPU, with
+a fake SGLang in the rollout process.
 GPU (`pytest -m gpu`, needs CUDA, sglang and flash-attn): a weight sync timed, then SGLang's logprobs checked
 against the trainer's, on one GPU (time-shared) and on two; and train.py run for a few steps.
 """
 import asyncio
+import functools
+import importlib.util
 import json
 import multiprocessing
+import os
 import pickle
 import socket
 import threading
@@ -332,9 +337,8 @@ def test_publisher_ships_every_bucket_to_every_engine():
     lm = _tiny_lm(tied=True)
     expected = {n: t.to(torch.bfloat16) for n, t in engine_weights(lm.state_dict().items(), tied=True)}
     channel = WeightChannel(2, multiprocessing.get_context("spawn"))
-    serialize = lambda flat, slots, tp: [pickle.dumps((flat.numpy().tobytes(), slots))] * tp  # noqa: E731
     publisher = Publisher(lm.state_dict().items(), True, channel, [1, 2], lead=True, device="cpu",
-                          bucket_bytes=16384, serialize=serialize)
+                          bucket_bytes=16384, serialize=bytes_payloads)
     engines = [SGLangEngine(backend=FakeBackend()) for _ in range(2)]
 
     def follow(e):
@@ -361,6 +365,160 @@ def test_publisher_ships_every_bucket_to_every_engine():
         assert list(got) == list(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
         engine.shutdown()
+
+
+def bytes_payloads(flat, slots, tp_size):
+    """The CPU tests' stand-in for CUDA IPC handles: the bucket's bytes, one copy per TP rank."""
+    return [pickle.dumps((flat.numpy().tobytes(), slots))] * tp_size
+
+
+def test_publisher_stops_shipping_once_stop_is_set():
+    """A run shutting down mid-publish: rank 0 still walks every weight (the other ranks' gathers must end)
+    but sends nothing and waits for no engine."""
+    from launch.supervisor import StopFlag
+
+    lm = _tiny_lm(tied=False)
+    channel, stop, walked = WeightChannel(1, multiprocessing.get_context("spawn")), StopFlag(), []
+    stop.set()
+    publisher = Publisher(lm.state_dict().items(), False, channel, [1], lead=True, device="cpu", bucket_bytes=8192,
+                          serialize=bytes_payloads, stop=stop)
+    publisher.publish(((n, walked.append(n) or t) for n, t in lm.state_dict().items()), version=1)
+    assert walked == list(lm.state_dict()) and channel.receive(0) is None
+    channel.close()
+
+
+# ---- the launch path: device plan, GPU plan, and train.run on the CPU with a fake SGLang ----
+
+def test_device_plan():
+    from launch.plan import device_plan
+
+    assert device_plan("auto", 0) == "cpu" and device_plan("cpu", 8) == "cpu"
+    with pytest.raises(ValueError, match="torch sees none; use cluster=cpu"):
+        device_plan("gpu", 0)
+    if importlib.util.find_spec("sglang") is None:
+        for plan in ("gpu", "auto"):
+            with pytest.raises(ValueError, match=r"pip install -r requirements-gpu.txt"):
+                device_plan(plan, 8)
+    else:
+        assert device_plan("auto", 8) == "gpu"
+
+
+def _meta_lm():
+    with torch.device("meta"):
+        return _tiny_lm()
+
+
+def test_gpu_plan_places_engines_and_ranks():
+    from launch.config import ClusterConfig
+    from launch.gpu import gpu_plan
+
+    plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
+                    batch_groups=8, meta_model=_meta_lm(), num_gpus=8, gpu_bytes=80 << 30)
+    assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
+    engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
+    assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]
+    assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] == [(g, True) for g in (4, 5, 6, 7)]
+    weights = plan.weights(_meta_lm())
+    assert weights.tp_sizes == [2, 2] and weights.bucket_bytes == 64 << 20 and not weights.engines_ready()
+    weights.channel.close()
+
+
+@pytest.mark.parametrize("num_gpus, cluster, batch_groups, message", [
+    (8, dict(gen_gpus=6, train_gpus=4), 8, "do not fit in the 8"),
+    (8, dict(tp_size=3), 8, "does not divide the model's 2 KV heads"),
+    (8, dict(gen_gpus=5), 8, "'train.batch_groups' must be divisible by the layout's 3 trainer ranks"),
+    (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
+])
+def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
+    from launch.config import ClusterConfig
+    from launch.gpu import gpu_plan
+
+    with pytest.raises(ValueError, match=message) as info:
+        gpu_plan(ClusterConfig(plan="gpu", **cluster), batch_groups, _meta_lm(), num_gpus, gpu_bytes=80 << 30)
+    assert "\n" not in str(info.value)
+
+
+class FakeSGLang(FakeBackend):
+    """SGLangBackend's constructor and calls, for a rollout process of a real run: decodes a token per 0.2 s,
+    far slower than the tiny model learns, so weight updates catch requests in flight; each request gets its
+    own tokens (samples of one prompt differ). Writes what every update loaded to
+    `<log_dir>/engine-<gpu>-loads.jsonl` (one line per version) and its weights to `...-weights.pt`."""
+
+    def __init__(self, log_dir, model_path, tp_size, base_gpu_id, mem_fraction_static, seed, dtype):
+        super().__init__()
+        self.prefix = os.path.join(log_dir, f"engine-{base_gpu_id}")
+        self.submitted = self.interrupted = 0
+
+    async def _generate(self, ids, sampling):
+        out, context = [], list(ids) + [self.submitted]
+        self.submitted += 1
+        while len(out) < sampling["max_new_tokens"]:
+            if self.aborting:
+                self.interrupted += 1
+                return {"meta_info": {"output_token_logprobs": out, "finish_reason": {"type": "abort"}}}
+            await asyncio.sleep(0.2)
+            token = _next_token(context)
+            context.append(token)
+            out.append((-0.01 * token, token, None))
+        return {"meta_info": {"output_token_logprobs": out, "finish_reason": {"type": "length"}}}
+
+    def end_update(self):
+        super().end_update()
+        torch.save({name: t for names, _, _ in self.loaded for name, t in names.items()}, self.prefix + "-weights.pt")
+        with open(self.prefix + "-loads.jsonl", "a") as f:
+            f.write(json.dumps({"flush": [flush for *_, flush in self.loaded], "interrupted": self.interrupted}) + "\n")
+        self.loaded = []
+
+
+def _composed(*overrides):
+    """The typed config train.py would build from these overrides."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import train
+    from launch.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        raw = compose("config", overrides=list(overrides))
+    return (*train._parse(raw), OmegaConf.to_container(raw, resolve=True))
+
+
+def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
+    """train.run with the GPU plan of one (time-shared) GPU: a rollout process drives an SGLangEngine whose
+    backend is FakeSGLang, the trainer rank runs GPUPlacement's policy (VarlenTokenLogprobs, FSDP2 in bf16) on
+    gloo, and rank 0 ships every version in buckets through the real queues. Only SGLang itself, CUDA, NCCL
+    and CUDA IPC are left out."""
+    from safetensors.torch import load_file
+
+    import train
+    from launch.gpu import GPUPlan
+    from tests.helpers import TINY
+
+    cfg, algo_cfg, task_cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3",
+                                                "eval.max_examples=2", "progress=false", "train.lr=1e-2",
+                                                "task.reward=tests.toy_rewards:length_parity", *TINY)
+    plan = GPUPlan(plan_layout(1), bucket_mb=1, checkpointing=True, device_type="cpu",
+                   engine_backend=functools.partial(FakeSGLang, str(tmp_path)), serialize=bytes_payloads)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert train.run(cfg, algo_cfg, task_cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
+
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "eval_pass@1" in rows[-1]
+    assert rows[0]["gen_tokens_per_s"] > 0 and all(r["staleness_max"] <= cfg.max_staleness for r in rows)
+    loads = [json.loads(line) for line in open(tmp_path / "engine-0-loads.jsonl")]
+    assert len(loads) == 3  # one load per optimizer step, every bucket of it, the cache flushed after the last
+    assert all(len(load["flush"]) > 1 and load["flush"] == [False] * (len(load["flush"]) - 1) + [True]
+               for load in loads)
+    # Groups started on version v take longer than step v + 1 does: its update interrupts and resubmits them.
+    assert loads[-1]["interrupted"] > 0
+    loaded = torch.load(tmp_path / "engine-0-weights.pt")
+    trained = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
+    assert sorted(loaded) == sorted(set(trained) - {"lm_head.weight"})  # tied: SGLang's lm_head is embed_tokens
+    assert all(torch.equal(loaded[name], trained[name].to(torch.bfloat16)) for name in loaded)
+    initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert not all(torch.equal(loaded[name], initial[name].to(torch.bfloat16)) for name in loaded)  # it learned
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
 # ---- packed variable-length sequences (the flash-attn layout) ----
@@ -394,73 +552,78 @@ def _to_cuda(batch):
     return [t.cuda() for t in (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets)]
 
 
-def _publish_while_engine_syncs(publisher, policy, engine, channel, version, trainer_gpu):
+def _publish_while_engine_syncs(publish, policy, engine, sync, version, trainer_gpu):
     """Rank 0 ships in a thread (as its own process would) while the engine interrupts and loads. Seconds taken."""
+    from trainer.policy import full_state
+
     def ship():
         torch.cuda.set_device(trainer_gpu)  # the current device is per thread
-        publisher.publish(policy.state_dict().items(), version)
+        publish(full_state(policy), version)
 
     finished, start = [], time.perf_counter()
     thread = threading.Thread(target=ship)
     thread.start()
     while engine.version < version and thread.is_alive():
-        finished += engine.sync_weights(channel, 0)
+        finished += sync()
     thread.join()
     assert engine.version == version, "the engine did not adopt the new weights"
     return time.perf_counter() - start, finished
 
 
-def _job(engine_gpu: int, trainer_gpu: int, mem_fraction: float, steps: int = 3):
-    """A few RL-shaped steps on real hardware: train -> publish over CUDA IPC -> generation in flight is
+def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
+    """A few RL-shaped steps on real hardware, through the GPU plan's own pieces (the engine spec, the trainer
+    placement, the weight path's two ends): train -> publish over CUDA IPC -> generation in flight is
     interrupted and resumed -> the tokens sampled under the new version have the trainer's logprobs."""
     pytest.importorskip("sglang")
+    from launch.gpu import GPUPlan
+    from launch.supervisor import StopFlag
     from models.loader import resolve
     from rollout import _to_group
-    from trainer.gpu_policy import init_nccl, load_lm
+    from trainer.gpu_policy import load_lm
 
     model_path = resolve("smollm2-135m")
-    init_nccl(0, 1, _port(), trainer_gpu)
-    engine = channel = None
+    plan = GPUPlan(plan_layout(num_gpus, gen_gpus=1, train_gpus=1, mem_fraction=mem_fraction), bucket_mb=32)
+    placement, trainer_gpu = plan.placement(0), plan.layout.train_gpus[0]
+    placement.init_process_group(0, 1, _port())
+    weights = plan.weights(None)
     try:
-        lm = load_lm(model_path)
-        tied = lm.config.tie_word_embeddings
-        policy = shard_gpu(VarlenTokenLogprobs(lm).cuda())
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        engine = SGLangEngine(model_path, base_gpu_id=engine_gpu, mem_fraction_static=mem_fraction, seed=0)
-        channel = WeightChannel(1, multiprocessing.get_context("spawn"))
-        publisher = Publisher(policy.state_dict().items(), tied, channel, [1], lead=True,
-                              device=f"cuda:{trainer_gpu}", bucket_bytes=32 << 20)
-        batch, timings = pack(_groups()), []
-        for step in range(1, steps + 1):
-            logprobs = policy(*_to_cuda(batch), 1.0)
-            mask = batch.mask.cuda()
-            advantages = (batch.rewards - batch.rewards.mean()).cuda()[:, None]
-            (-(advantages * logprobs * mask).sum() / mask.sum() - (logprobs * mask).sum() / mask.sum()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            prompts = [list(range(10 + 7 * g, 30 + 7 * g)) for g in range(2)]  # two groups of four samples
-            requests = [Request(i, prompts[i // 4], SamplingParams(1.0, 1.0, 48)) for i in range(8)]
-            for r in requests:
-                engine.add(r)
-            done = []
-            for _ in range(5):  # some tokens under the old weights
-                done += engine.step()
-            seconds, finished = _publish_while_engine_syncs(publisher, policy, engine, channel, step, trainer_gpu)
-            timings.append(seconds)
-            done += finished
-            while len(done) < len(requests):
-                done += engine.step()
-            done.sort(key=lambda c: c.request_id)
-            batch = pack([_to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]], g, g, 0)
-                          for g in (0, 4)])
-            assert set(batch.versions[batch.mask.bool()].tolist()) <= {step - 1, step}
-            with torch.no_grad():
-                current = policy(*_to_cuda(batch), 1.0).float().cpu()
-            fresh = batch.mask.bool() & (batch.versions == step)
-            assert fresh.any(), "no token was sampled under the new weights"
-            error = (current - batch.behav_logprobs)[fresh].abs().mean().item()
-            print(f"step {step}: weight sync {seconds * 1e3:.0f} ms, |SGLang - trainer| logprob {error:.4f}")
-            assert error < 0.05
+        # The engine first: SGLang sizes its KV cache from the memory free when it starts (the one-GPU layout).
+        with plan.engine(0, max_batch=64, max_len=0, dtype="bfloat16").open(model_path, seed=0) as engine:
+            sync = weights.follower(engine, 0)
+            policy = placement.load(model_path, 1)
+            publish = weights.publisher(policy, True, StopFlag())
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+            batch, timings = pack(_groups()), []
+            for step in range(1, steps + 1):
+                logprobs = policy(*_to_cuda(batch), 1.0)
+                mask = batch.mask.cuda()
+                advantages = (batch.rewards - batch.rewards.mean()).cuda()[:, None]
+                (-(advantages * logprobs * mask).sum() / mask.sum() - (logprobs * mask).sum() / mask.sum()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                prompts = [list(range(10 + 7 * g, 30 + 7 * g)) for g in range(2)]  # two groups of four samples
+                requests = [Request(i, prompts[i // 4], SamplingParams(1.0, 1.0, 48)) for i in range(8)]
+                for r in requests:
+                    engine.add(r)
+                done = []
+                for _ in range(5):  # some tokens under the old weights
+                    done += engine.step()
+                seconds, finished = _publish_while_engine_syncs(publish, policy, engine, sync, step, trainer_gpu)
+                timings.append(seconds)
+                done += finished
+                while len(done) < len(requests):
+                    done += engine.step()
+                done.sort(key=lambda c: c.request_id)
+                batch = pack([_to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]], g, g, 0)
+                              for g in (0, 4)])
+                assert set(batch.versions[batch.mask.bool()].tolist()) <= {step - 1, step}
+                with torch.no_grad():
+                    current = policy(*_to_cuda(batch), 1.0).float().cpu()
+                fresh = batch.mask.bool() & (batch.versions == step)
+                assert fresh.any(), "no token was sampled under the new weights"
+                error = (current - batch.behav_logprobs)[fresh].abs().mean().item()
+                print(f"step {step}: weight sync {seconds * 1e3:.0f} ms, |SGLang - trainer| logprob {error:.4f}")
+                assert error < 0.05
         with torch.no_grad():  # negative control: the initial weights disagree with the new tokens' logprobs
             initial = VarlenTokenLogprobs(load_lm(model_path, "sdpa").cuda())(*_to_cuda(batch), 1.0).float().cpu()
         stale = (initial - batch.behav_logprobs)[fresh].abs().mean().item()
@@ -468,39 +631,38 @@ def _job(engine_gpu: int, trainer_gpu: int, mem_fraction: float, steps: int = 3)
         assert max(timings) < 60
         return timings
     finally:
-        if engine is not None:
-            engine.shutdown()
-        if channel is not None:
-            channel.close()
+        weights.channel.close()
         dist.destroy_process_group()
 
 
 @pytest.mark.gpu
 @_needs(1)
 def test_gpu_one_gpu_time_shared_job():
-    _job(engine_gpu=0, trainer_gpu=0, mem_fraction=0.35)
+    _job(num_gpus=1, mem_fraction=0.35)
 
 
 @pytest.mark.gpu
 @_needs(2)
 def test_gpu_two_gpu_job():
-    _job(engine_gpu=0, trainer_gpu=1, mem_fraction=0.6)
+    _job(num_gpus=2, mem_fraction=0.6)
 
 
 @pytest.mark.gpu
 @_needs(1)
 @pytest.mark.parametrize("gpus, overrides", [
     (1, ("cluster=gpu1",)),
-    (2, ("cluster=gpu8", "cluster.gen_gpus=1", "cluster.train_gpus=1", "cluster.rollout_workers=1",
-         "cluster.trainer_ranks=1")),
+    (2, ("cluster=gpu8", "cluster.gen_gpus=1", "cluster.train_gpus=1")),
 ])
-def test_gpu_train_py_runs_a_few_steps(tmp_path, gpus, overrides):
-    """The real entry point (needs the train.py wiring of the GPU plan, see docs/gpu.md)."""
+def test_gpu_train_py_runs_a_few_steps(tmp_path, monkeypatch, gpus, overrides):
+    """The real entry point on the GPU plan: SGLang engine processes, an FSDP2/NCCL trainer rank, CUDA IPC."""
     from tests.helpers import TINY, run_train
 
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
+    if gpus == 1:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU visible: the time-shared layout
     result = run_train(tmp_path, *overrides, "steps=3", "eval.max_examples=4", *TINY, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "gpu plan: generation: 1 engine(s)" in result.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]

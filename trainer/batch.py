@@ -4,7 +4,7 @@ A group is one row: its prompt once, then its K completions back to back. Each c
 prompt and to itself only (`segments` says which is which), so the prompt's forward and backward run once
 per group instead of K times, and the result is exactly that of K separate sequences.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -46,6 +46,11 @@ class Batch:
         return Batch(self.input_ids[start:stop, :length], self.position_ids[start:stop, :length], seg[:, :length],
                      gather, self.targets[seqs, :t], mask[:, :t], self.behav_logprobs[seqs, :t],
                      self.versions[seqs, :t], self.rewards[seqs], k)
+
+    def to(self, device) -> "Batch":
+        """The same batch on `device` (itself, tensor by tensor, when it is already there)."""
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "group_size"),
+                     self.group_size)
 
 
 def pack(groups: list) -> Batch:

@@ -1,7 +1,8 @@
 """The trained model on GPU: FSDP2 over NCCL in bf16, flash-attn with packed variable-length sequences.
 
-    init_nccl(rank, world_size, port, gpu)
-    policy = shard_gpu(VarlenTokenLogprobs(load_lm(model_path)).cuda(), checkpointing=True)
+    placement = GPUPlacement(gpu=4, checkpointing=True)   # what train.py hands trainer rank 0 of gpu8
+    placement.init_process_group(rank, world_size, port)  # init_nccl: this rank on its GPU
+    policy = placement.load(model_path, world_size)       # shard_gpu(VarlenTokenLogprobs(load_lm(...)).cuda())
 
 The CPU policy (trainer/policy.py) packs a group as one row, its prompt once and its K completions attending
 into it, with a [L, L] mask. flash-attn takes no such mask, so `VarlenTokenLogprobs` lays every completion out
@@ -10,13 +11,14 @@ as its own sequence (prompt + completion), all of them back to back in one row w
 sdpa, a block-causal mask. The prompt is computed K times instead of once: the price of the kernel.
 """
 import importlib.metadata
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import TokenLogprobs
+from trainer.policy import TokenLogprobs, init_gloo
 
 
 def attn_implementation() -> str:
@@ -44,6 +46,33 @@ def init_nccl(rank: int, world_size: int, port: int, gpu: int) -> None:
     torch.cuda.set_device(gpu)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             device_id=torch.device("cuda", gpu))
+
+
+@dataclass(frozen=True)
+class GPUPlacement:
+    """A trainer rank on the GPU plan: its own GPU, NCCL, FSDP2 with bf16 compute (MixedPrecisionPolicy; the
+    CPU plan's train.autocast does not apply), packed variable-length sequences."""
+    gpu: int  # this rank's GPU id, from launch.layout.Layout.train_gpus
+    checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
+    device_type: str = "cuda"  # "cpu": gloo on the CPU, how the CPU tests run the GPU plan's launch path
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.gpu) if self.device_type == "cuda" else torch.device("cpu")
+
+    def init_process_group(self, rank: int, world_size: int, port: int) -> None:
+        if self.device_type == "cuda":
+            init_nccl(rank, world_size, port, self.gpu)
+        else:
+            init_gloo(rank, world_size, port)
+
+    def load(self, path: str, world_size: int, frozen: bool = False) -> "VarlenTokenLogprobs":
+        """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32 master
+        weights and computes in bf16."""
+        policy = VarlenTokenLogprobs(load_lm(path)).to(self.device)
+        if frozen:
+            policy.eval().requires_grad_(False)
+        return shard_gpu(policy, checkpointing=self.checkpointing and not frozen)
 
 
 def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_forward: bool = True):

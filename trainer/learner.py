@@ -1,5 +1,5 @@
 """One trainer rank's model, optimizer and loss: `Learner.step(batch)` is one optimizer step."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 from trainer.batch import Batch
-from trainer.policy import TokenLogprobs, full_state, shard
+from trainer.policy import CPUPlacement, full_state
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -54,22 +54,20 @@ class LearnerSpec:
     checkpoint_keep: int = 0  # newest checkpoints kept (0: all)
     logger: str = "none"  # none | tensorboard | wandb
     config: dict | None = None  # the resolved run config, for the logger
+    # Process group, device, model class and sharding: CPUPlacement, or trainer.gpu_policy.GPUPlacement
+    placement: object = field(default_factory=CPUPlacement)
 
 
 class Learner:
     def __init__(self, spec: LearnerSpec):
-        from transformers import AutoModelForCausalLM
-
-        def load(path):
-            return TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-
         self.spec = spec
+        place = spec.placement
+        self.device = place.device
         self.loss_fn = algos.get(spec.algo).Loss(spec.algo_cfg)
         # The reference is the frozen initial policy, loaded only for the rules that use it.
-        self.reference = load(spec.model_path).eval().requires_grad_(False) if self.loss_fn.needs_reference else None
-        # FSDP2 only pays off with more than one rank; with one it would gather and copy every layer per pass.
-        policy = load(spec.init_path or spec.model_path)
-        self.policy = shard(policy) if spec.world_size > 1 else policy
+        self.reference = place.load(spec.model_path, spec.world_size, frozen=True) if self.loss_fn.needs_reference \
+            else None
+        self.policy = place.load(spec.init_path or spec.model_path, spec.world_size)
         # fused: one kernel per parameter instead of a dozen elementwise passes (0.17 s vs 0.68 s a step here)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
                                            fused=True)
@@ -97,9 +95,9 @@ class Learner:
         spec = self.spec
         per_rank = batch.num_groups // spec.world_size
         first = spec.rank * per_rank
-        total_loss, sums, count, tokens = torch.zeros(()), {}, 0, 0
+        total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
         for start in range(first, first + per_rank, spec.micro_groups):
-            mb = batch.groups(start, min(start + spec.micro_groups, first + per_rank))
+            mb = batch.groups(start, min(start + spec.micro_groups, first + per_rank)).to(self.device)
             inputs = (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, spec.temperature)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.autocast):
                 logprobs = self.policy(*inputs)
@@ -127,7 +125,9 @@ class Learner:
         means = [sums[k] if k in summed else sums[k] / max(count, 1) / spec.world_size for k in keys]
         packed = torch.tensor([total_loss.item(), tokens] + means, dtype=torch.float64)
         if spec.world_size > 1:
+            packed = packed.to(self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(packed)
+            packed = packed.cpu()
         return packed[0].float(), dict(zip(keys, packed[2:].tolist())), int(packed[1])
 
     def optimizer_state(self) -> dict:
@@ -137,11 +137,15 @@ class Learner:
     def load_optimizer_state(self, state: dict) -> None:
         set_optimizer_state_dict(self.policy, self.optimizer, state, options=_FULL_FROM_RANK0)
 
-    def publish(self, store, version: int) -> None:
-        """All ranks gather the full weights (a collective); rank 0 writes them to the shared store."""
+    def publish(self, publish, version: int, into: dict | None = None) -> None:
+        """All ranks gather the full weights (a collective) and hand them to `publish` (the weight path's trainer
+        end: rank 0 ships them); with `into`, rank 0 also copies them into those tensors (the evaluator's)."""
         tensors = full_state(self.policy)
-        if self.spec.rank == 0:
-            store.publish(tensors, version)
-        else:
-            for _ in tensors:
-                pass
+        publish(_copying(tensors, into) if into is not None else tensors, version)
+
+
+def _copying(tensors, targets: dict):
+    for name, tensor in tensors:
+        if name in targets:
+            targets[name].copy_(tensor.detach())
+        yield name, tensor

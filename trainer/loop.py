@@ -18,21 +18,22 @@ class Stopped(Exception):
     """The launcher asked everyone to stop."""
 
 
-def run(spec: LearnerSpec, ring, gate, store, gen_stats, stop) -> None:
+def run(spec: LearnerSpec, ring, gate, weights, gen_stats, stop) -> None:
+    """One trainer rank. `weights` is the plan's weight path: a WeightStore (CPU) or a GPUWeights."""
     torch.manual_seed(spec.seed + spec.rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
-                            world_size=spec.world_size)
+    spec.placement.init_process_group(spec.rank, spec.world_size, spec.port)
     try:
-        _loop(spec, ring, gate, store, gen_stats, stop)
+        _loop(spec, ring, gate, weights, gen_stats, stop)
     except Stopped:
         pass
     finally:
         dist.destroy_process_group()
 
 
-def _loop(spec, ring, gate, store, gen_stats, stop):
+def _loop(spec, ring, gate, weights, gen_stats, stop):
     lead = spec.rank == 0
     learner = Learner(spec)
+    publish = weights.publisher(learner.policy, lead, stop)
     evaluator = _Evaluator(spec) if lead and spec.eval is not None else None
     replay = ReplayBuffer(spec.sampler, spec.recent_prob, spec.inv_temp, spec.per_prompt_capacity, spec.seed)
     # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
@@ -80,11 +81,11 @@ def _loop(spec, ring, gate, store, gen_stats, stop):
             t0 = time.time()
             metrics = learner.step(batch, step)
             train_time = time.time() - t0
-            learner.publish(store, step)
+            due = evaluator is not None and (step == spec.steps or (spec.eval_every and step % spec.eval_every == 0))
+            learner.publish(publish, step, into=evaluator.targets if due else None)
             if lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
                 gate.set_version(step)  # after publishing: new groups must start on the new weights
-                due = step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)
-                results = evaluator(store) if evaluator is not None and due else {}
+                results = evaluator() if due else {}
                 now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
                 logger.log({
                     "step": step, "time_s": round(now - start, 3),
@@ -123,7 +124,8 @@ def _restore(spec, learner, replay) -> dict:
 
 
 class _Evaluator:
-    """Rank 0's test-split evaluation of the weights just published to the store."""
+    """Rank 0's test-split evaluation (with the CPU engine) of the weights just published, which
+    `Learner.publish` copies into `targets` on the way."""
 
     def __init__(self, spec):
         import tasks
@@ -137,8 +139,7 @@ class _Evaluator:
         self.evaluate = Evaluator(model, AutoTokenizer.from_pretrained(spec.model_path), task, spec.eval)
         self.targets = self.evaluate.weight_tensors()
 
-    def __call__(self, store) -> dict:
-        store.read_into(self.targets)
+    def __call__(self) -> dict:
         return self.evaluate()
 
 

@@ -1,8 +1,10 @@
 """The trained model: per-token log-probabilities of packed completions, sharded with FSDP2."""
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from engines.weight_sync import engine_name
 from trainer.batch import PAD
 
 
@@ -97,8 +99,32 @@ def shard(policy: TokenLogprobs) -> TokenLogprobs:
 
 
 def full_state(policy: nn.Module):
-    """Yield (Hugging Face name, full tensor) for every weight; a collective under FSDP2 (all ranks call it)."""
+    """Yield (Hugging Face name, full tensor) for every weight; a collective under FSDP2 (all ranks call it).
+    Wrapper segments in the names (activation checkpointing on the GPU plan) are dropped."""
     for name, value in policy.state_dict().items():
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
-        yield name.removeprefix("lm."), value
+        yield engine_name(name), value
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+class CPUPlacement:
+    """A trainer rank on the CPU plan: gloo, fp32 weights (bf16 autocast per train.autocast), FSDP2 past one
+    rank. trainer/gpu_policy.py's GPUPlacement is the GPU plan's."""
+    device = torch.device("cpu")
+
+    def init_process_group(self, rank: int, world_size: int, port: int) -> None:
+        init_gloo(rank, world_size, port)
+
+    def load(self, path: str, world_size: int, frozen: bool = False) -> TokenLogprobs:
+        """The policy (or, frozen, the reference policy) from a Hugging Face folder."""
+        from transformers import AutoModelForCausalLM
+
+        policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        if frozen:
+            return policy.eval().requires_grad_(False)
+        # FSDP2 only pays off with more than one rank; with one it would gather and copy every layer per pass.
+        return shard(policy) if world_size > 1 else policy

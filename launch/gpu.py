@@ -1,0 +1,80 @@
+"""The GPU plan: SGLang engines and FSDP2/NCCL trainer ranks where launch/layout.py puts them, weights from
+trainer rank 0 to every engine after each optimizer step (CUDA IPC, or NCCL). docs/gpu.md tells the whole story.
+
+    plan = gpu_plan(cfg.cluster, cfg.train.batch_groups, meta_model, torch.cuda.device_count(), gpu_bytes)
+
+train.py runs it exactly as it runs launch.plan.CPUPlan. Engines find their GPUs through SGLang's
+`base_gpu_id` with every GPU left visible (no per-process CUDA_VISIBLE_DEVICES): an engine that opens rank 0's
+CUDA IPC bucket must see rank 0's GPU. Trainer ranks bind theirs with `torch.cuda.set_device`.
+"""
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from launch.layout import Layout, plan_layout
+from launch.plan import free_port
+
+
+def gpu_plan(cluster, batch_groups: int, meta_model, num_gpus: int, gpu_bytes: int) -> "GPUPlan":
+    """The layout for these GPUs and this model; a one-line ValueError for what cannot work."""
+    model_bytes = 2 * sum(p.numel() for p in meta_model.parameters())  # bf16, as the engines hold it
+    kv_heads = getattr(meta_model.config, "num_key_value_heads", None) or 0
+    layout = plan_layout(num_gpus, cluster.gen_gpus, cluster.train_gpus, cluster.tp_size,
+                         cluster.mem_fraction_static, model_bytes, gpu_bytes, kv_heads)
+    if cluster.weight_sync == "nccl" and layout.time_shared:
+        raise ValueError("cluster.weight_sync=nccl needs the engine and trainer rank 0 on different GPUs (NCCL "
+                         "refuses two ranks on one GPU); use cluster.weight_sync=ipc on one GPU")
+    if batch_groups % layout.num_trainer_ranks:
+        raise ValueError(f"config key 'train.batch_groups' must be divisible by the layout's "
+                         f"{layout.num_trainer_ranks} trainer ranks (got {batch_groups})")
+    return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing)
+
+
+@dataclass(frozen=True)
+class GPUPlan:
+    """One rollout worker per SGLang engine and one trainer rank per training GPU, as `layout` says."""
+    layout: Layout
+    weight_sync: str = "ipc"  # ipc | nccl
+    bucket_mb: int = 512  # weight-sync bucket on trainer rank 0's GPU
+    checkpointing: bool = False  # activation checkpointing in the trainer ranks
+    device_type: str = "cuda"  # "cpu": trainer ranks on gloo and the CPU, how the CPU tests run this plan
+    engine_backend: Callable | None = None  # builds each engine's backend (None: SGLang); the CPU tests pass a fake
+    serialize: Callable | None = None  # a weight bucket -> per-TP-rank payloads (None: CUDA IPC handles)
+    # A new engine could not pick up a weight version half-shipped to the one it replaces: no restarts yet.
+    max_restarts: int = 0
+
+    @property
+    def rollout_workers(self) -> int:
+        return self.layout.num_engines
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.layout.num_trainer_ranks
+
+    def weights(self, meta_model):
+        from engines.weight_sync import GPUWeights, WeightChannel
+
+        nccl = ("127.0.0.1", free_port()) if self.weight_sync == "nccl" else None
+        return GPUWeights(WeightChannel(self.layout.num_engines, mp.get_context("spawn")),
+                          [len(group) for group in self.layout.gen_groups], self.weight_sync, self.bucket_mb << 20,
+                          nccl, self.serialize)
+
+    def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
+        from engines.sglang import SGLangSpec
+
+        return SGLangSpec(self.layout.tp_size, self.layout.base_gpu_id(worker), self.layout.mem_fraction_static,
+                          max_batch, dtype, self.engine_backend)
+
+    def placement(self, rank: int):
+        from trainer.gpu_policy import GPUPlacement
+
+        return GPUPlacement(self.layout.train_gpus[rank], self.checkpointing, self.device_type)
+
+    def wait_for_engines(self, weights, sup) -> None:
+        """One GPU: SGLang sizes its KV cache from the memory free when it starts, so the trainer loads its
+        model only once every engine is up (or a process has ended: the supervisor then says why)."""
+        if not self.layout.time_shared:
+            return
+        while not weights.engines_ready() and all(p.exitcode is None for p in sup.procs.values()):
+            time.sleep(0.2)
