@@ -185,6 +185,7 @@ def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, plan, port: int, model_pat
         micro_groups=train.micro_groups, group_size=cfg.rollout.group_size,
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, lr=train.lr,
         weight_decay=train.weight_decay, grad_clip=train.grad_clip, autocast=train.autocast == "bfloat16",
+        compile=train.compile,
         algo=algo_cfg.name, algo_cfg=algo_cfg, checkpoint_every=cfg.checkpoint.every,
         progress=cfg.progress and rank == 0, sampler=_sampler(buffer.sampler, algo_cfg.name),
         recent_prob=buffer.recent_prob, inv_temp=buffer.inv_temp, per_prompt_capacity=buffer.per_prompt_capacity,

@@ -14,6 +14,25 @@ def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> f
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
+def model_matmul_flops(config, tokens: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of the matmuls one training step of this model does ([tokens, d] by each projection: forward,
+    input gradient, weight gradient), timed one shape at a time: the most a step could reach if everything
+    around the matmuls were free. Narrow models run far below the square-matmul peak."""
+    d, ff, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (d, ff), (ff, d)]  # q k v o gate up down
+    flops = seconds = 0.0
+    for count, (k, n) in [(config.num_hidden_layers, shape) for shape in shapes] + [(1, (d, config.vocab_size))]:
+        x, w, g = torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(tokens, n, dtype=dtype)
+        for matmul in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x):
+            matmul()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                matmul()
+            seconds += count * (time.perf_counter() - start) / repeats
+            flops += count * 2 * tokens * k * n
+    return flops / seconds
+
+
 def load(model_path: str = "smollm2-135m"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,10 +1,15 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
-    python bench/train_step.py [--threads 2] [--steps 3]
+    python bench/train_step.py [--threads 2] [--steps 3] [--compile]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group. MFU = 6 x parameters x tokens processed per second, over the
-peak of a matmul in the compute dtype measured in the same run. Ends with `mfu=<fraction>` (bf16 autocast).
+peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
+model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
+bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
+`mfu=<fraction>` (bf16 autocast, against the square-matmul peak). `--compile` also measures bf16 with
+`train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and casts
+around the matmuls), prints its compile time and its speed against eager bf16 in the same run.
 """
 import argparse
 import os
@@ -18,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import algos  # noqa: E402
-from bench.common import matmul_peak_flops, task_prompts  # noqa: E402
+from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts  # noqa: E402
 from buffer.ring import Group  # noqa: E402
 from models.loader import resolve  # noqa: E402
 from trainer.batch import pack  # noqa: E402
@@ -36,20 +41,23 @@ def batch(tokenizer, groups=8, k=8, seed=0):
     return pack(out)
 
 
-def measure(path, tokenizer, autocast: bool, steps: int, algo: str) -> tuple[float, int, float]:
+def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: bool) -> tuple[float, int, int, object]:
     spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=path, run_dir="", steps=steps, seed=0, max_staleness=0,
                        batch_groups=8, micro_groups=8, group_size=8, max_new_tokens=16, temperature=1.0, lr=1e-6,
                        weight_decay=0.0, grad_clip=1.0, autocast=autocast, algo=algo,
-                       algo_cfg=algos.get(algo).Config(), checkpoint_every=0, progress=False)
+                       algo_cfg=algos.get(algo).Config(), checkpoint_every=0, progress=False, compile=compile)
     learner = Learner(spec)
     data = batch(tokenizer)
+    start = time.perf_counter()
     learner.step(data, 1)  # warm-up
+    if compile:
+        print(f"compile and first step: {time.perf_counter() - start:.0f} s (inductor caches it for later runs)")
     start = time.perf_counter()
     for step in range(steps):
         learner.step(data, step + 2)
     elapsed = (time.perf_counter() - start) / steps
     params = sum(p.numel() for p in learner.policy.parameters())
-    return elapsed, data.num_tokens, params
+    return elapsed, data.num_tokens, params, learner.policy.lm.config
 
 
 def main():
@@ -57,6 +65,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--algo", default="grpo")
+    parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -67,15 +76,22 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mfu = None
-    for autocast, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+    mfu = seconds_by = None
+    cases = [(False, torch.float32, False), (True, torch.bfloat16, False)] + [(True, torch.bfloat16, True)] * args.compile
+    for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
-        seconds, tokens, params = measure(path, tokenizer, autocast, args.steps, args.algo)
+        seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled)
+        ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = 6 * params * tokens / seconds
-        mfu = achieved / peak
-        print(f"{'bf16 autocast' if autocast else 'fp32':13s} {tokens} tokens/step  {seconds:.2f} s/step  "
-              f"{tokens / seconds:.0f} tokens/s  {achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  "
-              f"MFU {mfu:.1%}  ({args.threads} threads, algo={args.algo})")
+        name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
+        print(f"{name:22s} {tokens} tokens/step  {seconds:.2f} s/step  {tokens / seconds:.0f} tokens/s  "
+              f"{achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  MFU {achieved / peak:.1%}  "
+              f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} GFLOP/s "
+              f"= {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")
+        if compiled:
+            print(f"compiled vs eager bf16: {seconds_by / seconds:.2f}x")
+        else:
+            mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16, the default run's learner
     dist.destroy_process_group()
     print(f"mfu={mfu:.3f}")
 

@@ -83,6 +83,9 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     autocast: str = "bfloat16"  # bfloat16 | none: mixed precision of the forward/backward (weights stay fp32)
+    # torch.compile the decoder stack: about 1.5x faster bf16 steps on the CPU after a compile of one to three
+    # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
+    compile: bool = False
 
     def check(self):
         _require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)

@@ -1,4 +1,5 @@
-"""FSDP2 over gloo: one optimizer step on two ranks gives the weights one rank gives."""
+"""FSDP2 over gloo: one optimizer step on two ranks gives the weights one rank gives; a compiled model gives
+the weights the eager one gives."""
 import socket
 
 import torch
@@ -12,25 +13,26 @@ from trainer.learner import Learner, LearnerSpec
 from trainer.policy import full_state
 
 
-def _spec(model_dir, rank, world, port, algo="grpo"):
+def _spec(model_dir, rank, world, port, algo="grpo", compile=False):
     return LearnerSpec(
         rank=rank, world_size=world, port=port, model_path=model_dir, run_dir="", steps=1, seed=0, max_staleness=0,
         batch_groups=2, micro_groups=1, group_size=3, max_new_tokens=6, temperature=1.0, lr=1e-3,
         weight_decay=0.0, grad_clip=100.0, autocast=False, algo=algo, algo_cfg=algos.get(algo).Config(),
-        checkpoint_every=0, progress=False)
+        checkpoint_every=0, progress=False, compile=compile)
 
 
-def _one_step(rank, world, port, model_dir, out):
+def _one_step(rank, world, port, model_dir, out, algo="grpo", compile=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        learner = Learner(_spec(model_dir, rank, world, port))
+        learner = Learner(_spec(model_dir, rank, world, port, algo, compile))
         batch = pack(_groups())
         batch.behav_logprobs -= 0.1  # off-policy data, so the clip and ratio matter
         metrics = learner.step(batch, 1)
         state = {name: t.detach().clone() for name, t in full_state(learner.policy)}
         if rank == 0:
-            torch.save({"state": state, "loss": metrics["loss"]}, out)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled by dynamo in this process
+            torch.save({"state": state, "loss": metrics["loss"], "graphs": graphs}, out)
     finally:
         dist.destroy_process_group()
 
@@ -55,3 +57,17 @@ def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
         assert torch.allclose(tensor, b["state"][name], atol=1e-6), name
         moved += not torch.equal(tensor, initial[name])
     assert moved > 0, "the step changed no weight"
+
+
+def test_compiled_model_matches_eager_model(tiny_model_dir, tmp_path):
+    """train.compile: the same step to float tolerance, the same parameter names (checkpoints and weight sync
+    do not change), for the policy and the reference (tb uses one)."""
+    eager, compiled = tmp_path / "eager.pt", tmp_path / "compiled.pt"
+    mp.spawn(_one_step, args=(1, _port(), tiny_model_dir, str(eager), "tb", False), nprocs=1)
+    mp.spawn(_one_step, args=(1, _port(), tiny_model_dir, str(compiled), "tb", True), nprocs=1)
+    a, b = torch.load(eager), torch.load(compiled)
+    assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"]))
+    assert a["graphs"] == 0 and b["graphs"] > 0
+    assert a["state"].keys() == b["state"].keys()
+    for name, tensor in a["state"].items():
+        assert torch.allclose(tensor, b["state"][name], atol=1e-5), name

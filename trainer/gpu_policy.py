@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import TokenLogprobs, init_gloo
+from trainer.policy import TokenLogprobs, compile_layers, init_gloo
 
 
 def attn_implementation() -> str:
@@ -66,10 +66,12 @@ class GPUPlacement:
         else:
             init_gloo(rank, world_size, port)
 
-    def load(self, path: str, world_size: int, frozen: bool = False) -> "VarlenTokenLogprobs":
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> "VarlenTokenLogprobs":
         """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32 master
         weights and computes in bf16."""
         policy = VarlenTokenLogprobs(load_lm(path)).to(self.device)
+        if compile:
+            compile_layers(policy)
         if frozen:
             policy.eval().requires_grad_(False)
         return shard_gpu(policy, checkpointing=self.checkpointing and not frozen)

@@ -90,6 +90,14 @@ def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
+def compile_layers(policy: nn.Module) -> None:
+    """torch.compile the decoder stack in place, before any sharding: the parameter names stay (checkpoints and
+    weight sync are unchanged). Dynamic shapes, since every batch has its own length. Inductor fuses the
+    element-wise work and casts around the matmuls, most of a bf16 step on the CPU; one graph for the whole
+    stack fuses more than one per layer does (bench/train_step.py: 2.4 vs 3.0 s a bf16 step, eager 3.3)."""
+    policy.lm.model.compile(dynamic=True)
+
+
 def shard(policy: TokenLogprobs) -> TokenLogprobs:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, lm_head)."""
     for layer in policy.lm.model.layers:
@@ -119,11 +127,13 @@ class CPUPlacement:
     def init_process_group(self, rank: int, world_size: int, port: int) -> None:
         init_gloo(rank, world_size, port)
 
-    def load(self, path: str, world_size: int, frozen: bool = False) -> TokenLogprobs:
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> TokenLogprobs:
         """The policy (or, frozen, the reference policy) from a Hugging Face folder."""
         from transformers import AutoModelForCausalLM
 
         policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        if compile:
+            compile_layers(policy)
         if frozen:
             return policy.eval().requires_grad_(False)
         # FSDP2 only pays off with more than one rank; with one it would gather and copy every layer per pass.
