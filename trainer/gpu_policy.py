@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import TokenLogprobs, compile_layers, init_gloo
+from trainer.policy import TokenLogprobs, compile_stack, init_gloo
 
 
 def attn_implementation() -> str:
@@ -71,7 +71,7 @@ class GPUPlacement:
         weights and computes in bf16."""
         policy = VarlenTokenLogprobs(load_lm(path)).to(self.device)
         if compile:
-            compile_layers(policy)
+            compile_stack(policy)
         if frozen:
             policy.eval().requires_grad_(False)
         return shard_gpu(policy, checkpointing=self.checkpointing and not frozen)

@@ -90,7 +90,7 @@ def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-def compile_layers(policy: nn.Module) -> None:
+def compile_stack(policy: nn.Module) -> None:
     """torch.compile the decoder stack in place, before any sharding: the parameter names stay (checkpoints and
     weight sync are unchanged). Dynamic shapes, since every batch has its own length. Inductor fuses the
     element-wise work and casts around the matmuls, most of a bf16 step on the CPU; one graph for the whole
@@ -133,7 +133,7 @@ class CPUPlacement:
 
         policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         if compile:
-            compile_layers(policy)
+            compile_stack(policy)
         if frozen:
             return policy.eval().requires_grad_(False)
         # FSDP2 only pays off with more than one rank; with one it would gather and copy every layer per pass.

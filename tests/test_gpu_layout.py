@@ -1,0 +1,113 @@
+"""Where the GPU plan puts things: layouts for 1, 2, 4 and 8 GPUs, the device plan, the GPU plan's
+placements and its one-line refusals."""
+import importlib.util
+
+import pytest
+import torch
+
+from launch.layout import auto_plan, plan_layout
+from tests.gpu_fakes import tiny_lm
+
+
+# ---- layout ----
+
+@pytest.mark.parametrize("gpus, gen, train", [(1, (0,), (0,)), (2, (0,), (1,)), (4, (0, 1), (2, 3)),
+                                              (8, (0, 1, 2, 3), (4, 5, 6, 7))])
+def test_default_layouts(gpus, gen, train):
+    layout = plan_layout(gpus)
+    assert [g for group in layout.gen_groups for g in group] == list(gen)
+    assert layout.train_gpus == train and layout.tp_size == 1
+    assert layout.time_shared == (gpus == 1) and layout.colocated() == (gpus == 1)
+    assert layout.mem_fraction_static == (0.35 if gpus == 1 else 0.85)
+    assert "engine" in layout.describe()
+
+
+def test_requested_splits_and_tensor_parallel():
+    six = plan_layout(8, gen_gpus=6)
+    assert six.num_engines == 6 and six.train_gpus == (6, 7)
+    tp2 = plan_layout(8, gen_gpus=4, tp_size=2)
+    assert tp2.gen_groups == ((0, 1), (2, 3)) and tp2.train_gpus == (4, 5, 6, 7)
+    assert [tp2.base_gpu_id(e) for e in range(2)] == [0, 2]
+    assert plan_layout(8, train_gpus=2).num_engines == 6
+    assert plan_layout(4, gen_gpus=2, train_gpus=1).train_gpus == (2,)  # a GPU may be left idle
+    assert plan_layout(8, tp_size=4).gen_groups == ((0, 1, 2, 3),)
+    assert plan_layout(2, mem_fraction=0.5).mem_fraction_static == 0.5
+
+
+def test_auto_tensor_parallel_from_model_size():
+    gib = 2**30
+    assert plan_layout(8, model_bytes=3 * gib, gpu_bytes=80 * gib).tp_size == 1
+    big = plan_layout(8, model_bytes=40 * gib, gpu_bytes=80 * gib, train_gpus=6)  # a 20B model in bf16
+    assert big.tp_size == 2 and big.gen_groups == ((0, 1),)
+    with pytest.raises(ValueError, match="does not fit a generation engine"):
+        plan_layout(2, model_bytes=140 * gib, gpu_bytes=80 * gib)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_gpus=0), "no CUDA GPU"),
+    (dict(num_gpus=8, gen_gpus=6, train_gpus=4), "do not fit in the 8"),
+    (dict(num_gpus=8, gen_gpus=8), "do not fit in the 8"),
+    (dict(num_gpus=8, gen_gpus=3, tp_size=2), "does not divide the 3 generation GPUs"),
+    (dict(num_gpus=8, tp_size=3, num_kv_heads=8), "does not divide the model's 8 KV heads"),
+    (dict(num_gpus=1, tp_size=2), "one GPU visible"),
+    (dict(num_gpus=1, gen_gpus=2), "one GPU visible"),
+    (dict(num_gpus=2, mem_fraction=1.5), "mem_fraction_static"),
+    (dict(num_gpus=2, model_bytes=14 * 2**30, gpu_bytes=80 * 2**30), "training state"),  # 7B on one trainer GPU
+])
+def test_impossible_layouts_say_why_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        plan_layout(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_auto_plan():
+    assert auto_plan(0) == "cpu" and auto_plan(1) == auto_plan(8) == "gpu"
+
+
+def test_device_plan():
+    from launch.plan import device_plan
+
+    assert device_plan("auto", 0) == "cpu" and device_plan("cpu", 8) == "cpu"
+    with pytest.raises(ValueError, match="torch sees none; use cluster=cpu"):
+        device_plan("gpu", 0)
+    if importlib.util.find_spec("sglang") is None:
+        for plan in ("gpu", "auto"):
+            with pytest.raises(ValueError, match=r"pip install -r requirements-gpu.txt"):
+                device_plan(plan, 8)
+    else:
+        assert device_plan("auto", 8) == "gpu"
+
+
+def _meta_lm():
+    with torch.device("meta"):
+        return tiny_lm()
+
+
+def test_gpu_plan_places_engines_and_ranks():
+    from launch.config import ClusterConfig
+    from launch.gpu import gpu_plan
+
+    plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
+                    batch_groups=8, meta_model=_meta_lm(), num_gpus=8, gpu_bytes=80 << 30)
+    assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
+    engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
+    assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]
+    assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] == [(g, True) for g in (4, 5, 6, 7)]
+    weights = plan.weights(_meta_lm())
+    assert weights.tp_sizes == [2, 2] and weights.bucket_bytes == 64 << 20 and not weights.engines_ready()
+    weights.channel.close()
+
+
+@pytest.mark.parametrize("num_gpus, cluster, batch_groups, message", [
+    (8, dict(gen_gpus=6, train_gpus=4), 8, "do not fit in the 8"),
+    (8, dict(tp_size=3), 8, "does not divide the model's 2 KV heads"),
+    (8, dict(gen_gpus=5), 8, "'train.batch_groups' must be divisible by the layout's 3 trainer ranks"),
+    (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
+])
+def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
+    from launch.config import ClusterConfig
+    from launch.gpu import gpu_plan
+
+    with pytest.raises(ValueError, match=message) as info:
+        gpu_plan(ClusterConfig(plan="gpu", **cluster), batch_groups, _meta_lm(), num_gpus, gpu_bytes=80 << 30)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,93 @@
+"""SGLangEngine with a fake SGLang: requests interrupted by a weight update resume as prompt + tokens so far,
+with the remaining budget and the version of every token."""
+import time
+
+import pytest
+
+from engines.cpu import Request, SamplingParams
+from engines.sglang import Partial, SGLangEngine, sampling_params
+from engines.weight_sync import BucketMessage
+from tests.gpu_fakes import FakeBackend, FakeChannel
+
+
+def _run_until(engine, predicate, limit=500):
+    done = []
+    for _ in range(limit):
+        done += engine.step()
+        if predicate(done):
+            return done
+    raise AssertionError("the engine did not get there")
+
+
+def test_partial_merge_and_resume_input():
+    partial = Partial(Request(7, [1, 2], SamplingParams(max_new_tokens=5, stop_token_ids=(99,))))
+    aborted = {"meta_info": {"output_token_logprobs": [(-0.5, 10, None), (-0.25, 11, None)],
+                             "finish_reason": {"type": "abort"}}}
+    assert partial.merge(aborted, version=3) is None
+    assert partial.resume_input() == [1, 2, 10, 11] and partial.remaining() == 3
+    assert sampling_params(partial.request.params, partial.remaining())["max_new_tokens"] == 3
+    stop = {"meta_info": {"output_token_logprobs": [(-1.0, 99, None)], "finish_reason": {"type": "stop"}}}
+    assert partial.merge(stop, version=4) == "stop"
+    done = partial.completion("stop")
+    assert (done.token_ids, done.logprobs, done.versions) == ([10, 11, 99], [-0.5, -0.25, -1.0], [3, 3, 4])
+    empty = Partial(Request(8, [1], SamplingParams(max_new_tokens=2)))
+    assert empty.merge({"meta_info": {"finish_reason": {"type": "abort"}}}, 0) is None and empty.remaining() == 2
+
+
+def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
+    prompt, budget = [5, 6, 7], 10
+    reference = SGLangEngine(backend=FakeBackend(chunk=100))
+    expected = reference.generate([Request(0, prompt, SamplingParams(max_new_tokens=budget))])[0]
+
+    fake = FakeBackend(chunk=4)
+    engine = SGLangEngine(backend=fake, max_batch=8, poll_s=0.001)
+    engine.add(Request(0, prompt, SamplingParams(max_new_tokens=budget)))
+    engine.add(Request(1, [9], SamplingParams(max_new_tokens=3)))  # fits in one chunk: finishes before the update
+    short = _run_until(engine, lambda d: len(d) == 1)
+    assert short[0].request_id == 1 and short[0].finish_reason == "length" and short[0].versions == [0, 0, 0]
+    time.sleep(0.01)
+    engine.step()  # request 0 has its first chunk and waits
+
+    channel = FakeChannel(BucketMessage(1, 0, True, [], [1]))
+    assert engine.sync_weights(channel, engine_index=0) == []
+    assert engine.version == 1 and channel.acks == [(0, 1, 0)]
+    assert fake.log == ["pause", "begin", "load flush=True", "end", "resume"]
+    assert engine.num_waiting() == 1 and engine.num_running() == 0
+
+    engine.step()  # resubmitted: prompt + 4 tokens, 6 to go
+    time.sleep(0.01)
+    engine.step()
+    two_buckets = FakeChannel(BucketMessage(2, 0, False, [], [2]), BucketMessage(2, 1, True, [], [2]))
+    engine.sync_weights(two_buckets, engine_index=0)
+    assert two_buckets.acks == [(0, 2, 0), (0, 2, 1)] and engine.version == 2
+    assert fake.log[-5:] == ["begin", "load flush=False", "load flush=True", "end", "resume"]
+    done = _run_until(engine, lambda d: len(d) == 1)[0]
+
+    resubmitted = [(ids, budget) for ids, budget in fake.calls if ids[:3] == prompt]
+    assert resubmitted == [(prompt, 10), (prompt + done.token_ids[:4], 6), (prompt + done.token_ids[:8], 2)]
+    assert done.token_ids == expected.token_ids and done.finish_reason == "length"
+    assert done.versions == [0] * 4 + [1] * 4 + [2] * 2
+    assert done.logprobs == pytest.approx([-0.01 * t - v for t, v in zip(done.token_ids, done.versions)])
+    engine.shutdown()
+    reference.shutdown()
+
+
+def test_stop_token_ends_a_request_across_an_interruption():
+    prompt = [4, 4]
+    whole = SGLangEngine(backend=FakeBackend(chunk=100))
+    full = whole.generate([Request(0, prompt, SamplingParams(max_new_tokens=12))])[0]
+    stop = full.token_ids[5]
+    first = full.token_ids.index(stop)
+    assert 3 <= first <= 5  # in the second chunk of three
+    engine = SGLangEngine(backend=FakeBackend(chunk=3), poll_s=0.001)
+    engine.add(Request(0, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))))
+    finished = []
+    for version in (1, 2):  # the stop token comes in the second chunk: the request ends before the next update
+        time.sleep(0.005)
+        finished += engine.step()
+        finished += engine.sync_weights(FakeChannel(BucketMessage(version, 0, True, [], [version])), 0)
+    (done,) = finished
+    assert done.finish_reason == "stop" and done.token_ids == full.token_ids[:first + 1]
+    assert done.versions == [0] * 3 + [1] * (first - 2)
+    engine.shutdown()
+    whole.shutdown()
