@@ -16,7 +16,6 @@ summary.json.
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 
@@ -73,6 +72,7 @@ def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: di
     from buffer.ring import TrajectoryRing
     from buffer.staleness import StalenessGate
     from launch.plan import free_port
+    from launch.summary import draw_curves, write_summary
     from launch.supervisor import Supervisor
     from rollout import NEXT_GROUP, RESTARTS, STAT_COLUMNS, reclaim_worker
     from rollout import run as run_worker
@@ -130,8 +130,8 @@ def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: di
         error = "interrupted"
     finally:
         sup.shutdown()
-        _write_summary(run_dir, start, error, sup.peak_mb)
-        _draw_curves(run_dir)
+        write_summary(run_dir, start, error, sup.peak_mb)
+        draw_curves(run_dir)
     return error
 
 
@@ -149,16 +149,6 @@ def _plan(name: str, cfg, model_path: str):
                     torch.cuda.get_device_properties(0).total_memory)
     print(f"gpu plan: {plan.layout.describe()}")
     return plan
-
-
-def _draw_curves(run_dir):
-    """curves.png beside metrics.jsonl; a plotting failure must not fail the run."""
-    try:
-        import plot
-
-        plot.run_curves(run_dir)
-    except Exception as e:
-        print(f"warning: curves.png not drawn: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
 def _worker_spec(cfg, task_cfg, worker: int, workers: int, engine, model_path: str, max_prompt_len: int,
@@ -286,31 +276,6 @@ def _meta_model(model_path):
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-
-
-def _write_summary(run_dir, start, error, peak_mb):
-    rows = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    rewards = [r["reward_mean"] for r in rows]
-    quarter = max(len(rewards) // 4, 1)
-    summary = {
-        "status": "completed" if error is None else "failed",
-        "error": error.splitlines()[0] if error else None,
-        "steps": len(rows),
-        "wall_s": round(time.time() - start, 2),
-        "reward_first_quarter": sum(rewards[:quarter]) / quarter if rewards else None,
-        "reward_last_quarter": sum(rewards[-quarter:]) / quarter if rewards else None,
-        # The run's memory: proportional resident set (shared memory counted once) summed over every process,
-        # sampled each second; and the largest resident set of any one process.
-        "peak_memory_mb": round(peak_mb),
-        "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
-    }
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":
