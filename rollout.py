@@ -3,7 +3,8 @@
 The worker asks the staleness gate before starting a group, keeps the engine's slots full (continuous
 batching), and loads new weights between two decode steps: sequences in flight continue, and their later
 tokens carry the new policy version. Finished groups are scored by the reward pool (worker processes with a
-timeout) while generation goes on.
+timeout) while generation goes on. On the GPU plan the worker also generates and scores its shard of the test
+split when rank 0 asks (evaluate.EvalChannel), next to its rollouts.
 """
 import itertools
 import random
@@ -44,6 +45,8 @@ class WorkerSpec:
     first_group: int = 0  # groups of this worker already delivered (resuming): skip their prompts
     max_prompt_len: int = 0  # longer prompts are cut or skipped (0: no limit)
     long_prompts: str = "skip"  # skip | truncate (cut from the middle, keeping the last 8 tokens)
+    evals: object = None  # evaluate.EvalChannel: rank 0's requests to evaluate on this engine (GPU plan)
+    eval: object = None  # evaluate.EvalSpec for them
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -101,7 +104,24 @@ def _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, 
                 return index, ids[:spec.max_prompt_len - tail] + ids[-tail:]
             stats[PROMPTS_SKIPPED] += 1
 
+    evaluation = None  # an evaluate.EvalShard under way: rank 0 asked for this engine's share of the test split
+
+    def start_evaluation(version):
+        while engine.version < version and not stop.is_set():  # the CPU store may not be loaded yet
+            for done in sync():
+                finish(done)
+            time.sleep(0.01)
+        shard = spec.evals.shard(spec.worker_id, version, task, tokenizer, spec.eval)
+        for request in shard.requests:
+            engine.add(request)
+        return shard
+
     def finish(done):
+        if done.request_id < 0:  # an evaluation request (evaluate.eval_requests)
+            evaluation.add(done)
+            if evaluation.generated():
+                evaluation.score(tokenizer, pool)
+            return
         stats[TOKENS] += len(done.token_ids)
         group_id, sample = divmod(done.request_id, k)
         index, samples = open_groups[group_id]
@@ -117,6 +137,11 @@ def _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, 
     while not stop.is_set():
         for done in sync():  # new weights, if any; an engine that interrupts requests to load them may finish some
             finish(done)
+        if spec.evals is not None and evaluation is None and (version := spec.evals.job(spec.worker_id)) is not None:
+            evaluation = start_evaluation(version)
+        if evaluation is not None and evaluation.done():
+            spec.evals.reply(spec.worker_id, evaluation)
+            evaluation = None
         while engine.free_slots() - engine.num_waiting() >= k and gate.try_start():
             start_group()
         while scoring and scoring[0][3].done():

@@ -54,9 +54,9 @@ def main(raw) -> None:
     from models.loader import resolve
 
     model_path = _or_exit(resolve, cfg.model.path)
-    if cfg.eval.only:
-        return _evaluate_only(cfg, task_cfg, model_path, run_dir)
     plan = _or_exit(_plan, plan_name, cfg, model_path)
+    if cfg.eval.only:
+        return _evaluate_only(cfg, task_cfg, plan, model_path, run_dir)
     error = run(cfg, algo_cfg, task_cfg, plan, model_path, run_dir, resume, OmegaConf.to_container(raw, resolve=True))
     if error:
         print(f"error: {error}", file=sys.stderr)
@@ -90,6 +90,7 @@ def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: di
                           num_producers=workers)
     gate = StalenessGate(train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0)
     weights = plan.weights(_meta_model(model_path))
+    evals = plan.evals()  # None: rank 0 evaluates with a CPU engine of its own
     gen_stats = torch.zeros(workers, len(STAT_COLUMNS), dtype=torch.long).share_memory_()
 
     sup = Supervisor()
@@ -100,8 +101,8 @@ def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: di
     engine_len = max_prompt_len + rollout.max_new_tokens
     eval_spec = _eval_spec(cfg, model_path)
     engines = [plan.engine(w, rollout.max_batch, engine_len, rollout.dtype) for w in range(workers)]
-    worker_specs = [_worker_spec(cfg, task_cfg, w, workers, engine, model_path, max_prompt_len, resume)
-                    for w, engine in enumerate(engines)]
+    worker_specs = [_worker_spec(cfg, task_cfg, w, workers, engine, model_path, max_prompt_len, resume, evals,
+                                 eval_spec) for w, engine in enumerate(engines)]
 
     def restart_worker(name: str, message: str) -> bool:
         """A rollout worker died: free what it held and start a new one where it stopped, up to max_restarts."""
@@ -122,8 +123,8 @@ def run(cfg, algo_cfg, task_cfg, plan, model_path: str, run_dir: str, resume: di
             sup.start(f"rollout-{w}", run_worker, (spec, *shared), cluster.threads_per_process)
         plan.wait_for_engines(weights, sup)
         for r in range(plan.trainer_ranks):
-            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, plan, port, model_path, run_dir, eval_spec, resume,
-                                 config)
+            spec = _learner_spec(cfg, algo_cfg, task_cfg, r, plan, port, model_path, run_dir, eval_spec, evals,
+                                 resume, config)
             sup.start(f"trainer-{r}", run_learner, (spec, *shared), cluster.threads_per_process, essential=True)
         error = sup.watch(on_failure=restart_worker)
     except KeyboardInterrupt:
@@ -152,7 +153,7 @@ def _plan(name: str, cfg, model_path: str):
 
 
 def _worker_spec(cfg, task_cfg, worker: int, workers: int, engine, model_path: str, max_prompt_len: int,
-                 resume: dict | None):
+                 resume: dict | None, evals, eval_spec):
     from engines.cpu import SamplingParams
     from rollout import WorkerSpec
 
@@ -161,11 +162,11 @@ def _worker_spec(cfg, task_cfg, worker: int, workers: int, engine, model_path: s
     return WorkerSpec(worker, workers, cfg.seed, model_path, task_cfg.name, task_cfg, r.group_size, engine, sampling,
                       cfg.reward.workers, cfg.reward.timeout_s, resume["path"] if resume else "",
                       resume["step"] if resume else 0, resume["next_group"].get(worker, 0) if resume else 0,
-                      max_prompt_len, r.long_prompts)
+                      max_prompt_len, r.long_prompts, evals, eval_spec)
 
 
 def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, plan, port: int, model_path: str, run_dir: str, eval_spec,
-                  resume: dict | None, config: dict):
+                  evals, resume: dict | None, config: dict):
     from trainer.learner import LearnerSpec
 
     train, buffer = cfg.train, cfg.buffer
@@ -179,7 +180,7 @@ def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, plan, port: int, model_pat
         algo=algo_cfg.name, algo_cfg=algo_cfg, checkpoint_every=cfg.checkpoint.every,
         progress=cfg.progress and rank == 0, sampler=_sampler(buffer.sampler, algo_cfg.name),
         recent_prob=buffer.recent_prob, inv_temp=buffer.inv_temp, per_prompt_capacity=buffer.per_prompt_capacity,
-        task=task_cfg.name, task_cfg=task_cfg, eval_every=cfg.eval.every, eval=eval_spec,
+        task=task_cfg.name, task_cfg=task_cfg, eval_every=cfg.eval.every, eval=eval_spec, evals=evals,
         num_workers=plan.rollout_workers, init_path=resume["path"] if resume else "",
         start_step=resume["step"] if resume else 0, checkpoint_keep=cfg.checkpoint.keep, logger=cfg.logger,
         config=config, placement=plan.placement(rank))
@@ -193,18 +194,21 @@ def _eval_spec(cfg, model_path: str):
                     cfg.reward.workers, cfg.reward.timeout_s, cfg.rollout.dtype)
 
 
-def _evaluate_only(cfg, task_cfg, model_path, run_dir) -> None:
-    """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _evaluate_only(cfg, task_cfg, plan, model_path, run_dir) -> None:
+    """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training.
+    It generates on the plan's first engine: a CPU engine, or SGLang on the GPU plan."""
+    from transformers import AutoTokenizer
 
     import tasks
-    from evaluate import evaluate
+    from evaluate import evaluate, test_examples
 
     task = _or_exit(tasks.get(task_cfg.name).build, task_cfg, cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    spec = _eval_spec(cfg, model_path)
+    longest = max((len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec)), default=0)
     start = time.time()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    results = evaluate(model, AutoTokenizer.from_pretrained(model_path), task, _eval_spec(cfg, model_path))
+    with plan.engine(0, 64, longest + spec.max_new_tokens, cfg.rollout.dtype).open(model_path, cfg.seed) as engine:
+        results = evaluate(engine, tokenizer, task, spec)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 0, "time_s": round(time.time() - start, 3), **results}) + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

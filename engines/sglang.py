@@ -217,7 +217,9 @@ class SGLangBackend:
         self.loop.run_until_complete(manager.continue_generation(ContinueGenerationReqInput()))
 
     def begin_update(self) -> None:
-        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.2x requires an update session
+        # sglang 0.5.21 refuses update_weights_from_tensor/_distributed outside begin/end_weight_update;
+        # older versions have no sessions.
+        if hasattr(self.engine, "begin_weight_update"):
             self.engine.begin_weight_update()
 
     def end_update(self) -> None:

@@ -66,6 +66,12 @@ class GPUPlan:
         return SGLangSpec(self.layout.tp_size, self.layout.base_gpu_id(worker), self.layout.mem_fraction_static,
                           max_batch, dtype, self.engine_backend)
 
+    def evals(self):
+        """Evaluation on the engines: rank 0 asks each rollout worker for its shard of the test split."""
+        from evaluate import EvalChannel
+
+        return EvalChannel(self.layout.num_engines, mp.get_context("spawn"))
+
     def placement(self, rank: int):
         from trainer.gpu_policy import GPUPlacement
 

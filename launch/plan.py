@@ -45,6 +45,10 @@ class CPUPlan:
 
         return CPUPlacement()
 
+    def evals(self):
+        """Evaluation runs on rank 0's own CPU engine (evaluate.Evaluator): no channel to the workers."""
+        return None
+
     def wait_for_engines(self, weights, sup) -> None:
         """CPU engines claim no memory that the trainers must leave them: the trainers start at once."""
 

@@ -99,16 +99,20 @@ class FakeSGLang(FakeBackend):
     """SGLangBackend's constructor and calls, for a rollout process of a real run: decodes a token per 0.2 s,
     far slower than the tiny model learns, so weight updates catch requests in flight; each request gets its
     own tokens (samples of one prompt differ). Writes what every update loaded to
-    `<log_dir>/engine-<gpu>-loads.jsonl` (one line per version) and its weights to `...-weights.pt`."""
+    `<log_dir>/engine-<gpu>-loads.jsonl` (one line per version), its weights to `...-weights.pt`, and how many
+    versions it had loaded when each greedy (evaluation) request came to `...-greedy.jsonl`."""
 
     def __init__(self, log_dir, model_path, tp_size, base_gpu_id, mem_fraction_static, seed, dtype):
         super().__init__()
         self.prefix = os.path.join(log_dir, f"engine-{base_gpu_id}")
-        self.submitted = self.interrupted = 0
+        self.submitted = self.interrupted = self.versions = 0
 
     async def _generate(self, ids, sampling):
         out, context = [], list(ids) + [self.submitted]
         self.submitted += 1
+        if sampling["temperature"] == 0:
+            with open(self.prefix + "-greedy.jsonl", "a") as f:
+                f.write(json.dumps({"versions_loaded": self.versions, "prompt": list(ids)}) + "\n")
         while len(out) < sampling["max_new_tokens"]:
             if self.aborting:
                 self.interrupted += 1
@@ -121,6 +125,7 @@ class FakeSGLang(FakeBackend):
 
     def end_update(self):
         super().end_update()
+        self.versions += 1
         torch.save({name: t for names, _, _ in self.loaded for name, t in names.items()}, self.prefix + "-weights.pt")
         with open(self.prefix + "-loads.jsonl", "a") as f:
             f.write(json.dumps({"flush": [flush for *_, flush in self.loaded], "interrupted": self.interrupted}) + "\n")

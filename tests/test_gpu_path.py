@@ -42,8 +42,8 @@ def _composed(*overrides):
 def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     """train.run with the GPU plan of one (time-shared) GPU: a rollout process drives an SGLangEngine whose
     backend is FakeSGLang, the trainer rank runs GPUPlacement's policy (VarlenTokenLogprobs, FSDP2 in bf16) on
-    gloo, and rank 0 ships every version in buckets through the real queues. Only SGLang itself, CUDA, NCCL
-    and CUDA IPC are left out."""
+    gloo, rank 0 ships every version in buckets through the real queues, and the final evaluation runs on the
+    engine. Only SGLang itself, CUDA, NCCL and CUDA IPC are left out."""
     from safetensors.torch import load_file
 
     import train
@@ -60,7 +60,11 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert train.run(cfg, algo_cfg, task_cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
 
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3] and "eval_pass@1" in rows[-1]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 2
+    # The evaluation ran on the engine (no CPU engine on rank 0): one greedy request per test example, sent
+    # once the engine held the step-3 weights, and nothing interrupted it.
+    greedy = [json.loads(line) for line in open(tmp_path / "engine-0-greedy.jsonl")]
+    assert [g["versions_loaded"] for g in greedy] == [3, 3] and greedy[0]["prompt"] != greedy[1]["prompt"]
     assert rows[0]["gen_tokens_per_s"] > 0 and all(r["staleness_max"] <= cfg.max_staleness for r in rows)
     loads = [json.loads(line) for line in open(tmp_path / "engine-0-loads.jsonl")]
     assert len(loads) == 3  # one load per optimizer step, every bucket of it, the cache flushed after the last

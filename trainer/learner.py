@@ -48,6 +48,7 @@ class LearnerSpec:
     task_cfg: object = None
     eval_every: int = 0  # evaluate every N steps (0: only at the end)
     eval: object = None  # evaluate.EvalSpec; None: never evaluate
+    evals: object = None  # evaluate.EvalChannel: evaluate on the rollout workers' engines (GPU plan); None: on rank 0
     num_workers: int = 1  # rollout workers (group ids interleave them)
     init_path: str = ""  # the policy's starting weights (a checkpoint when resuming); "" = model_path
     start_step: int = 0  # optimizer steps already done (resuming)

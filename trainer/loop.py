@@ -34,7 +34,7 @@ def _loop(spec, ring, gate, weights, gen_stats, stop):
     lead = spec.rank == 0
     learner = Learner(spec)
     publish = weights.publisher(learner.policy, lead, stop)
-    evaluator = _Evaluator(spec) if lead and spec.eval is not None else None
+    evaluator = _evaluator(spec) if lead and spec.eval is not None else None
     replay = ReplayBuffer(spec.sampler, spec.recent_prob, spec.inv_temp, spec.per_prompt_capacity, spec.seed)
     # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
     progress = {"next_group": {}, "time_s": 0.0}
@@ -85,7 +85,7 @@ def _loop(spec, ring, gate, weights, gen_stats, stop):
             learner.publish(publish, step, into=evaluator.targets if due else None)
             if lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
                 gate.set_version(step)  # after publishing: new groups must start on the new weights
-                results = evaluator() if due else {}
+                results = evaluator(step, stop) if due else {}
                 now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
                 logger.log({
                     "step": step, "time_s": round(now - start, 3),
@@ -123,24 +123,21 @@ def _restore(spec, learner, replay) -> dict:
     return {"next_group": dict(state["next_group"]), "time_s": state["time_s"]}
 
 
-class _Evaluator:
-    """Rank 0's test-split evaluation (with the CPU engine) of the weights just published, which
-    `Learner.publish` copies into `targets` on the way."""
+def _evaluator(spec):
+    """Rank 0's evaluation of the weights it just published, called as evaluator(version, stop). On the GPU
+    plan the rollout workers' engines generate it (evaluate.EvalChannel); on the CPU plan a CPU engine of rank
+    0's own (evaluate.Evaluator), whose weights `Learner.publish` copies into `evaluator.targets` on the way."""
+    if spec.evals is not None:
+        return spec.evals
+    import tasks
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def __init__(self, spec):
-        import tasks
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from evaluate import Evaluator
 
-        from evaluate import Evaluator
-
-        task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
-        # The engine keeps its own copy of the weights; the Hugging Face model is dropped.
-        self.evaluate = Evaluator(model, AutoTokenizer.from_pretrained(spec.model_path), task, spec.eval)
-        self.targets = self.evaluate.weight_tensors()
-
-    def __call__(self) -> dict:
-        return self.evaluate()
+    task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+    # The engine keeps its own copy of the weights; the Hugging Face model is dropped.
+    return Evaluator(model, AutoTokenizer.from_pretrained(spec.model_path), task, spec.eval)
 
 
 def _take_fresh(ring, gate, replay, spec, version, stop, next_group):
