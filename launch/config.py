@@ -249,11 +249,22 @@ def check_overrides(args: list[str]) -> None:
         if head in ("algo", "task") and rest:
             options = choices.get(head)
             for option in options if isinstance(options, list) else [options]:
-                known = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF_DIR, head, f"{option}.yaml")))
+                known = group_keys(head, option)
                 if rest.split(".")[0] not in known:
                     raise ValueError(f"unknown config key '{key}' for {head}={option} (known: {', '.join(sorted(known))})")
             continue
         _check_path(Config, key.split("."), key)
+
+
+def group_keys(group: str, option: str) -> dict:
+    """What conf/<group>/<option>.yaml sets under `group`: a `# @package _global_` file (a task that also sets
+    rollout keys) nests it under the group's name."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(CONF_DIR, group, f"{option}.yaml")
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    with open(path) as f:
+        return data.get(group, {}) if f.readline().strip() == "# @package _global_" else data
 
 
 def _check_path(cls, parts, key):

@@ -8,13 +8,12 @@ import types
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from omegaconf import OmegaConf
 
 import tasks
+from launch.config import group_keys
 from rewards import get_reward
 
 HENDRYCKS = "EleutherAI/hendrycks_math"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K = [{"question": f"Tom has {i} apples and buys {i} more. How many?", "answer": f"{i}+{i}=<<{i}+{i}={2 * i}>>"
           f"{2 * i}\n#### {2 * i}"} for i in range(10)]
 MATH = [{"problem": f"Compute $\\frac{{{i}}}{{2}}$.", "level": f"Level {i % 5 + 1}",
@@ -164,5 +163,18 @@ def test_reward_of_a_loaded_example(tmp_path):
 
 @pytest.mark.parametrize("name", ["gsm8k", "math"])
 def test_yaml_mirrors_the_config(name):
-    yaml = OmegaConf.to_container(OmegaConf.load(os.path.join(REPO, "conf", "task", f"{name}.yaml")))
-    assert yaml == dataclasses.asdict(tasks.get(name).Config())
+    assert group_keys("task", name) == dataclasses.asdict(tasks.get(name).Config())
+
+
+@pytest.mark.parametrize("overrides, budget", [
+    ([], 16), (["task=gsm8k"], 512), (["task=math"], 1024), (["task=preference"], 53),
+    (["task=gsm8k", "rollout.max_new_tokens=64"], 64),  # the command line beats the task's budget
+])
+def test_a_task_sets_its_completion_budget(overrides, budget):
+    from hydra import compose, initialize_config_dir
+
+    from launch.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=overrides)
+    assert cfg.rollout.max_new_tokens == budget and cfg.rollout.group_size == 8

@@ -183,6 +183,7 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("algo=grpo algo.clip_epz=0.2", "unknown config key 'algo.clip_epz' for algo=grpo"),
     ("algo=nope", "unknown algo 'nope'"),
     ("task=nope", "unknown task 'nope'"),
+    ("task=gsm8k task.pathh=x", "unknown config key 'task.pathh' for task=gsm8k"),
     ("steps=0", "config key 'steps' must be >= 1"),
     ("max_staleness=-1", "config key 'max_staleness' must be >= 0"),
     ("algo=tb rollout.group_size=1", "config key 'rollout.group_size' must be >= 2"),
