@@ -71,3 +71,17 @@ def test_compiled_model_matches_eager_model(tiny_model_dir, tmp_path):
     assert a["state"].keys() == b["state"].keys()
     for name, tensor in a["state"].items():
         assert torch.allclose(tensor, b["state"][name], atol=1e-5), name
+
+
+def test_trainer_collectives_outwait_a_long_evaluation():
+    """Ranks other than 0 sit in a broadcast while rank 0 evaluates: the group's timeout is not gloo's 30 min."""
+    from datetime import timedelta
+
+    from trainer.policy import COLLECTIVE_TIMEOUT, CPUPlacement
+
+    CPUPlacement().init_process_group(0, 1, _port())
+    try:
+        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    finally:
+        dist.destroy_process_group()
+    assert timeout == COLLECTIVE_TIMEOUT >= timedelta(hours=1)

@@ -225,4 +225,4 @@ def test_gpu_train_py_runs_a_few_steps(tmp_path, monkeypatch, gpus, overrides):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gpu plan: generation: 1 engine(s)" in result.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 4  # evaluated on SGLang

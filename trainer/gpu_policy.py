@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import TokenLogprobs, compile_stack, init_gloo
+from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, init_gloo
 
 
 def attn_implementation() -> str:
@@ -45,7 +45,7 @@ def init_nccl(rank: int, world_size: int, port: int, gpu: int) -> None:
     """One trainer rank per GPU; `gpu` is the rank's GPU id from launch.layout.Layout.train_gpus."""
     torch.cuda.set_device(gpu)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", gpu))
+                            device_id=torch.device("cuda", gpu), timeout=COLLECTIVE_TIMEOUT)
 
 
 @dataclass(frozen=True)

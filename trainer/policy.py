@@ -1,4 +1,6 @@
 """The trained model: per-token log-probabilities of packed completions, sharded with FSDP2."""
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -115,8 +117,15 @@ def full_state(policy: nn.Module):
         yield engine_name(name), value
 
 
+# How long a rank may wait in a collective. Ranks other than 0 wait in the broadcast of the next batch while
+# rank 0 waits for rollouts or an evaluation, which can outlast the backends' defaults (NCCL 10 min, gloo 30
+# min) on a big test split. A dead process is caught by the launcher's supervisor, not by this timeout.
+COLLECTIVE_TIMEOUT = timedelta(hours=4)
+
+
 def init_gloo(rank: int, world_size: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
 
 
 class CPUPlacement:
