@@ -173,7 +173,7 @@ def _learner_spec(cfg, algo_cfg, task_cfg, rank: int, plan, port: int, model_pat
     return LearnerSpec(
         rank=rank, world_size=plan.trainer_ranks, port=port, model_path=model_path, run_dir=run_dir,
         steps=cfg.steps, seed=cfg.seed, max_staleness=cfg.max_staleness, batch_groups=train.batch_groups,
-        micro_groups=train.micro_groups, group_size=cfg.rollout.group_size,
+        micro_groups=train.micro_groups, micro_tokens=train.micro_tokens, group_size=cfg.rollout.group_size,
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, lr=train.lr,
         weight_decay=train.weight_decay, grad_clip=train.grad_clip, autocast=train.autocast == "bfloat16",
         compile=train.compile,

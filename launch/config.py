@@ -78,7 +78,8 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     batch_groups: int = 8  # B: prompts (groups of K) per optimizer step
-    micro_groups: int = 8  # groups per forward/backward pass (memory vs speed)
+    micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
+    micro_tokens: int = 4096  # padded tokens per pass, at most: long completions go a few groups at a time (0: off)
     lr: float = 2e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
@@ -90,6 +91,7 @@ class TrainConfig:
     def check(self):
         _require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)
         _require(self.micro_groups >= 1, "train.micro_groups", "must be >= 1", self.micro_groups)
+        _require(self.micro_tokens >= 0, "train.micro_tokens", "must be >= 0", self.micro_tokens)
         _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         _require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)

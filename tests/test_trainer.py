@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from buffer.ring import Group
-from trainer.batch import pack
+from trainer.batch import PAD, micro_batches, pack
 from trainer.policy import TokenLogprobs
 
 
@@ -65,3 +65,55 @@ def test_micro_batch_slices_keep_whole_groups(tiny_model_dir):
     t = part.shape[1]
     assert torch.allclose(full[k:, :t] * batch.mask[k:, :t], part * second.mask, atol=1e-5)
     assert torch.equal(second.rewards, batch.rewards[k:])
+
+
+# ---- micro-batches by token budget (trainer.batch.micro_batches) ----
+
+def test_short_rows_go_through_in_one_pass():
+    assert micro_batches([150] * 8, 1, 8, 4096) == [[(0, 8)]]  # the default run: unchanged by the budget
+    assert micro_batches([150] * 8, 1, 3, 4096) == [[(0, 3), (3, 6), (6, 8)]]  # micro_groups still caps a pass
+
+
+def test_the_token_budget_counts_each_pass_padded_to_its_longest_row():
+    assert micro_batches([1500] * 8, 1, 8, 4096) == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
+    assert micro_batches([100, 3000, 100, 100], 1, 8, 4096) == [[(0, 1), (1, 2), (2, 4)]]
+    assert micro_batches([5000, 100], 1, 8, 4096) == [[(0, 1), (1, 2)]]  # over the budget alone: still trained
+    assert micro_batches([1500] * 8, 1, 8, 0) == [[(0, 8)]]  # 0: no budget
+
+
+def test_every_rank_makes_the_same_number_of_passes():
+    # rank 0 needs two passes for its long rows; rank 1 splits its short ones to match (FSDP2 gathers per pass)
+    assert micro_batches([2000] * 4 + [100] * 4, 2, 8, 4096) == [[(0, 2), (2, 4)], [(4, 6), (6, 8)]]
+    g = torch.Generator().manual_seed(0)
+    for ranks in (1, 2, 4):
+        for _ in range(50):
+            rows = torch.randint(50, 3000, (8,), generator=g).tolist()
+            plans = micro_batches(rows, ranks, 3, 4096)
+            assert len({len(p) for p in plans}) == 1
+            for r, passes in enumerate(plans):  # each rank's groups, in order, once each
+                assert [i for a, b in passes for i in range(a, b)] == list(range(r * 8 // ranks, (r + 1) * 8 // ranks))
+                assert all(b - a <= 3 for a, b in passes)
+
+
+def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
+    """The losses normalise by batch totals, so how the batch is cut into passes does not change the step."""
+    import algos
+    from trainer.learner import Learner, LearnerSpec
+
+    batch = pack(_groups())
+    weights = []
+    for micro_tokens in (0, 1):  # one pass; then one group per pass
+        spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=tiny_model_dir, run_dir="", steps=1, seed=0,
+                           max_staleness=0, batch_groups=2, micro_groups=8, micro_tokens=micro_tokens, group_size=3,
+                           max_new_tokens=6, temperature=1.0, lr=1e-2, weight_decay=0.0, grad_clip=100.0,
+                           autocast=False, algo="grpo", algo_cfg=algos.get("grpo").Config(), checkpoint_every=0,
+                           progress=False)
+        learner = Learner(spec)
+        learner.step(batch, 1)
+        weights.append({n: p.detach().clone() for n, p in learner.policy.named_parameters()})
+    rows = (batch.segments != PAD).sum(1).tolist()
+    assert micro_batches(rows, 1, 8, 0) == [[(0, 2)]] and micro_batches(rows, 1, 8, 1) == [[(0, 1), (1, 2)]]
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert any(not torch.equal(initial[n], weights[0]["lm." + n]) for n in initial)  # the step did something
+    for name, p in weights[0].items():
+        assert torch.allclose(p, weights[1][name], atol=1e-6), name

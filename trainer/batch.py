@@ -90,3 +90,35 @@ def pack(groups: list) -> Batch:
             offset += c
     return Batch(input_ids, position_ids, segments, gather.view(count, k * steps), targets, mask, behav, versions,
                  rewards, k)
+
+
+def micro_batches(row_lens: list[int], ranks: int, max_groups: int, max_tokens: int) -> list[list[tuple[int, int]]]:
+    """Each rank's forward/backward passes over its share of the groups, as [start, stop) group ranges.
+
+    Rank r takes groups [r * n, (r + 1) * n) of the batch, n = len(row_lens) // ranks. A pass holds at most
+    `max_groups` groups and, with `max_tokens`, at most that many padded tokens (groups x its longest row): the
+    activations a pass keeps for its backward grow with that, so long completions go through a few groups at a
+    time (AReaL's dynamic micro-batching). A group longer than the budget goes alone. Every rank gets the same
+    number of passes, since FSDP2's gathers run once per pass on every rank: a rank with fewer splits its
+    biggest passes in two.
+    """
+    per_rank = len(row_lens) // ranks
+    plans = []
+    for first in range(0, per_rank * ranks, per_rank):
+        passes, start, longest = [], first, 0
+        for g in range(first, first + per_rank):
+            longest = max(longest, row_lens[g])
+            size = g + 1 - start
+            if size > 1 and (size > max_groups or (max_tokens and size * longest > max_tokens)):
+                passes.append((start, g))
+                start, longest = g, row_lens[g]
+        passes.append((start, first + per_rank))
+        plans.append(passes)
+    count = max(map(len, plans))
+    for passes in plans:
+        while len(passes) < count:
+            a, b = max((p for p in passes if p[1] - p[0] > 1),
+                       key=lambda p: (p[1] - p[0]) * max(row_lens[p[0]:p[1]]))
+            i, middle = passes.index((a, b)), (a + b) // 2
+            passes[i:i + 1] = [(a, middle), (middle, b)]
+    return plans

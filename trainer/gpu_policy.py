@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, init_gloo
+from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, head_logprobs, init_gloo
 
 
 def attn_implementation() -> str:
@@ -105,8 +105,8 @@ class VarlenTokenLogprobs(TokenLogprobs):
         ids = input_ids.reshape(-1)[order][None]  # [1, N]
         positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
         hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
-        logits = self.lm.lm_head(hidden[picks]).float() / temperature  # [G*K, T, V]
-        return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1).clone()  # FSDP2: no view out
+        flat = head_logprobs(hidden[picks].flatten(0, 1), self.lm.lm_head, targets.reshape(-1), temperature)
+        return flat.reshape(targets.shape).clone()  # FSDP2: no view out
 
 
 def varlen_layout(segments: torch.Tensor, gather: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import algos
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from trainer.batch import Batch
+from trainer.batch import PAD, Batch, micro_batches
 from trainer.policy import CPUPlacement, full_state
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -43,6 +43,7 @@ class LearnerSpec:
     recent_prob: float = 0.5
     inv_temp: float = 1.0
     per_prompt_capacity: int = 64
+    micro_tokens: int = 0  # padded tokens per forward/backward pass, at most (0: only micro_groups limits a pass)
     max_bad_steps: int = 3  # non-finite steps in a row before the run stops
     task: str = ""  # for evaluation on the test split
     task_cfg: object = None
@@ -95,11 +96,11 @@ class Learner:
 
     def _forward_backward(self, batch: Batch, step: int):
         spec = self.spec
-        per_rank = batch.num_groups // spec.world_size
-        first = spec.rank * per_rank
+        row_lens = (batch.segments != PAD).sum(1).tolist()
+        passes = micro_batches(row_lens, spec.world_size, spec.micro_groups, spec.micro_tokens)[spec.rank]
         total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
-        for start in range(first, first + per_rank, spec.micro_groups):
-            mb = batch.groups(start, min(start + spec.micro_groups, first + per_rank)).to(self.device)
+        for start, stop in passes:
+            mb = batch.groups(start, stop).to(self.device)
             inputs = (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, spec.temperature)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.autocast):
                 logprobs = self.policy(*inputs)

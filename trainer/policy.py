@@ -25,45 +25,54 @@ class TokenLogprobs(nn.Module):
         mask = _shared_prompt_mask(segments)
         hidden = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
-        head = self.lm.lm_head
-        assert head.bias is None, "lm_head with a bias is not supported"
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else head.weight.dtype
-        flat = _HeadLogprob.apply(picked.flatten(0, 1), head.weight, targets.reshape(-1), temperature, dtype)
+        flat = head_logprobs(picked.flatten(0, 1), self.lm.lm_head, targets.reshape(-1), temperature)
         return flat.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
+
+
+def head_logprobs(hidden, head: nn.Linear, targets, temperature: float):
+    """log_softmax(hidden @ head.weight.T / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast
+    dtype if autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision)."""
+    assert head.bias is None, "lm_head with a bias is not supported"
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    return _HeadLogprob.apply(hidden, head.weight, targets, temperature, dtype)
 
 
 class _HeadLogprob(torch.autograd.Function):
     """log_softmax(h @ W.T / temperature)[target] for rows h [N, d], W [V, d] -> [N] float32.
 
-    Never holds the [N, V] float32 logits: rows go through in chunks of a few MB that stay in cache, and
-    the backward recomputes each chunk's logits (one more lm_head matmul) instead of saving them. Plain
-    autograd would write the logits, a float32 copy, a dense gradient and log_softmax's backward over it:
-    on a 1-thread CPU those passes cost more than the matmuls.
+    Never holds the [N, V] float32 logits: rows go through in chunks (a few MB that stay in cache on the CPU,
+    1 GB on a GPU), and the backward recomputes each chunk's logits (one more lm_head matmul) instead of
+    saving them. Plain autograd would write the logits, a float32 copy, a dense gradient and log_softmax's
+    backward over it: on a 1-thread CPU those passes cost more than the matmuls, and on a GPU with a 150k
+    vocabulary they would take tens of GB for one micro-batch of long completions.
     """
-    CHUNK_BYTES = 64 << 20
+    CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, dtype):
-        with torch.autocast("cpu", enabled=False):
+        device = hidden.device
+        chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
+        with torch.autocast(device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
-            out, lse = torch.empty(len(h)), torch.empty(len(h))
-            for rows in _chunks(len(h), w.shape[0], _HeadLogprob.CHUNK_BYTES):
+            out, lse = torch.empty(len(h), device=device), torch.empty(len(h), device=device)
+            for rows in _chunks(len(h), w.shape[0], chunk):
                 logits = _logits(h[rows], w, temperature)
                 lse[rows] = logits.logsumexp(-1)
                 out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.temperature, ctx.hidden_dtype = temperature, hidden.dtype
+        ctx.temperature, ctx.hidden_dtype, ctx.chunk = temperature, hidden.dtype, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad):
         h, weight, targets, lse = ctx.saved_tensors
         temp = ctx.temperature
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
-            grad_logits = torch.empty(len(h), w.shape[0], dtype=h.dtype)
+            grad_logits = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
             scale = grad / temp
-            for rows in _chunks(len(h), w.shape[0], _HeadLogprob.CHUNK_BYTES):
+            for rows in _chunks(len(h), w.shape[0], ctx.chunk):
                 # d logprob / d logits = (onehot(target) - softmax) / temperature
                 g = _logits(h[rows], w, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
                 grad_logits[rows] = g.scatter_add_(-1, targets[rows, None], scale[rows, None])
