@@ -1,9 +1,10 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
-    python bench/train_step.py [--threads 2] [--steps 3] [--compile]
+    python bench/train_step.py [--threads 2] [--steps 3] [--compile] [--completion-len 16]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
-tokens), packed with the prompt once per group. MFU = 6 x parameters x tokens processed per second, over the
+tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
+at most 4096 padded tokens, train.micro_tokens' default). MFU = 6 x parameters x tokens processed per second, over the
 peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
 model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
 bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
@@ -30,24 +31,27 @@ from trainer.batch import pack  # noqa: E402
 from trainer.learner import Learner, LearnerSpec  # noqa: E402
 
 
-def batch(tokenizer, groups=8, k=8, seed=0):
+def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
+    """Completions of random length in [longest / 4, longest]."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, prompt in enumerate(task_prompts(tokenizer, groups, seed)):
-        lens = torch.randint(4, 17, (k,), generator=g)
-        ids = torch.randint(100, 40000, (k, 16), generator=g)
-        out.append(Group(torch.tensor(prompt), ids, lens, torch.full((k, 16), -1.0), torch.zeros(k, 16, dtype=torch.long),
-                         torch.randint(0, 2, (k,), generator=g).float(), torch.zeros(k, dtype=torch.bool), i, i, 0))
+        lens = torch.randint(max(1, longest // 4), longest + 1, (k,), generator=g)
+        ids = torch.randint(100, 40000, (k, longest), generator=g)
+        out.append(Group(torch.tensor(prompt), ids, lens, torch.full((k, longest), -1.0),
+                         torch.zeros(k, longest, dtype=torch.long), torch.randint(0, 2, (k,), generator=g).float(),
+                         torch.zeros(k, dtype=torch.bool), i, i, 0))
     return pack(out)
 
 
-def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: bool) -> tuple[float, int, int, object]:
+def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: bool,
+            longest: int = 16) -> tuple[float, int, int, object]:
     spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=path, run_dir="", steps=steps, seed=0, max_staleness=0,
-                       batch_groups=8, micro_groups=8, group_size=8, max_new_tokens=16, temperature=1.0, lr=1e-6,
-                       weight_decay=0.0, grad_clip=1.0, autocast=autocast, algo=algo,
+                       batch_groups=8, micro_groups=8, micro_tokens=4096, group_size=8, max_new_tokens=longest,
+                       temperature=1.0, lr=1e-6, weight_decay=0.0, grad_clip=1.0, autocast=autocast, algo=algo,
                        algo_cfg=algos.get(algo).Config(), checkpoint_every=0, progress=False, compile=compile)
     learner = Learner(spec)
-    data = batch(tokenizer)
+    data = batch(tokenizer, longest=longest)
     start = time.perf_counter()
     learner.step(data, 1)  # warm-up
     if compile:
@@ -66,6 +70,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--algo", default="grpo")
     parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
+    parser.add_argument("--completion-len", type=int, default=16,
+                        help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -80,7 +86,8 @@ def main():
     cases = [(False, torch.float32, False), (True, torch.bfloat16, False)] + [(True, torch.bfloat16, True)] * args.compile
     for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
-        seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled)
+        seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
+                                                  args.completion_len)
         ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = 6 * params * tokens / seconds
         name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
