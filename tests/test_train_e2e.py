@@ -28,6 +28,7 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
         assert all(k in row for k in KEYS), row
         assert all(isinstance(v, (int, float)) for v in row.values())
     assert "eval_pass@1" in rows[-1] and 0 <= rows[-1]["eval_pass@1"] <= 1  # evaluated at the end
+    assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
     assert (tmp_path / "config.yaml").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3

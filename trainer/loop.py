@@ -85,7 +85,11 @@ def _loop(spec, ring, gate, weights, gen_stats, stop):
             learner.publish(publish, step, into=evaluator.targets if due else None)
             if lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
                 gate.set_version(step)  # after publishing: new groups must start on the new weights
-                results = evaluator(step, stop) if due else {}
+                results = {}
+                if due:
+                    t_eval = time.time()
+                    results = evaluator(step, stop)
+                    results["perf/eval_s"] = time.time() - t_eval  # training waits for it
                 now, tokens = time.time(), int(gen_stats[:, TOKENS].sum())
                 logger.log({
                     "step": step, "time_s": round(now - start, 3),
