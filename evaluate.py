@@ -34,6 +34,12 @@ def test_examples(task, spec: EvalSpec) -> list:
     return task.test[: spec.max_examples] if spec.max_examples else task.test
 
 
+def longest_request(task, tokenizer, spec: EvalSpec) -> int:
+    """Prompt + completion tokens of the longest evaluation request: a CPU engine's max_len."""
+    prompts = (len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec))
+    return max(prompts, default=0) + spec.max_new_tokens
+
+
 def eval_requests(prompts: dict[int, list[int]], spec: EvalSpec) -> list[Request]:
     """Per test example i: one greedy request and `spec.k` sampled ones, with ids -1 - (i * (k + 1) + m),
     m = 0 for the greedy one: negative, so they never meet a rollout's (group * K + sample) in one engine."""
@@ -78,8 +84,7 @@ class Evaluator:
 
     def __init__(self, model, tokenizer, task, spec: EvalSpec):
         self.tokenizer, self.task, self.spec = tokenizer, task, spec
-        longest = max((len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec)), default=0)
-        self.engine = CPUEngine(model, max_batch=64, max_len=longest + spec.max_new_tokens, seed=spec.seed,
+        self.engine = CPUEngine(model, max_batch=64, max_len=longest_request(task, tokenizer, spec), seed=spec.seed,
                                 dtype=getattr(torch, spec.dtype))
         self.targets = self.engine.weight_tensors()
 

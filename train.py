@@ -200,14 +200,14 @@ def _evaluate_only(cfg, task_cfg, plan, model_path, run_dir) -> None:
     from transformers import AutoTokenizer
 
     import tasks
-    from evaluate import evaluate, test_examples
+    from evaluate import evaluate, longest_request
 
     task = _or_exit(tasks.get(task_cfg.name).build, task_cfg, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     spec = _eval_spec(cfg, model_path)
-    longest = max((len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec)), default=0)
     start = time.time()
-    with plan.engine(0, 64, longest + spec.max_new_tokens, cfg.rollout.dtype).open(model_path, cfg.seed) as engine:
+    engine_spec = plan.engine(0, 64, longest_request(task, tokenizer, spec), cfg.rollout.dtype)
+    with engine_spec.open(model_path, cfg.seed) as engine:
         results = evaluate(engine, tokenizer, task, spec)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 0, "time_s": round(time.time() - start, 3), **results}) + "\n")

@@ -263,10 +263,10 @@ def group_keys(group: str, option: str) -> dict:
     rollout keys) nests it under the group's name."""
     from omegaconf import OmegaConf
 
-    path = os.path.join(CONF_DIR, group, f"{option}.yaml")
-    data = OmegaConf.to_container(OmegaConf.load(path))
-    with open(path) as f:
-        return data.get(group, {}) if f.readline().strip() == "# @package _global_" else data
+    with open(os.path.join(CONF_DIR, group, f"{option}.yaml")) as f:
+        text = f.read()
+    data = OmegaConf.to_container(OmegaConf.create(text))
+    return data.get(group, {}) if text.startswith("# @package _global_") else data
 
 
 def _check_path(cls, parts, key):
