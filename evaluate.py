@@ -1,37 +1,56 @@
 """Accuracy on a task's test split: greedy pass@1 and sampled pass@k.
 
-Used by the learner every `eval.every` steps and at the end, and by `python train.py eval.only=true`. On the
-CPU plan rank 0 generates with a CPU engine of its own (`Evaluator`); on the GPU plan, where that would take
-hours for a big model, each rollout worker generates its shard of the test split on its SGLang engine
-(`EvalShard`) and rank 0 merges the scores (`EvalChannel`).
+Used by the learner every `eval.every` steps and at the end, and by `python train.py eval.only=true`. Rank 0
+asks an `Evaluator` for the metrics of the version it just published. On the CPU plan that is `EngineEvaluator`,
+a CPU engine of rank 0's own; on the GPU plan, where that would take hours for a big model, it is
+`EvalChannel`: each rollout worker generates its shard of the test split on its engine (`EngineEvaluation`,
+polled by the worker's loop) and rank 0 merges the scores.
 """
 import queue
 import time
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import tasks
-from engines.cpu import CPUEngine, Request, SamplingParams
+from engines.base import Completion, Request, SamplingParams
 from rewards.pool import RewardPool
 
+if TYPE_CHECKING:
+    from engines.base import EngineSpec
+    from launch.config import EvalConfig, RewardConfig
 
-@dataclass
+
+@dataclass(frozen=True)
 class EvalSpec:
-    """What an evaluation needs (built by train.py from the config)."""
-    k: int  # samples per prompt for pass@k
-    temperature: float  # sampling temperature of the pass@k samples
-    max_new_tokens: int
-    max_examples: int  # 0: the whole test split
-    stop_ids: tuple
+    """An evaluation's settings: the config's eval and reward sections, and what the launcher resolved."""
+    eval: "EvalConfig"  # k, temperature, max_examples
+    reward: "RewardConfig"  # the verifier pool's workers and timeout
+    max_new_tokens: int  # the rollouts' completion budget
+    stop_ids: tuple  # the model's end-of-sequence tokens
     seed: int
-    reward_workers: int
-    reward_timeout_s: float
-    dtype: str = "float32"  # the engine's weights, as in rollout.dtype
+    dtype: str = "float32"  # a CPU evaluation engine's weights, as in rollout.dtype
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """How rank 0 evaluates the weights it has just published: `EngineEvaluator` on an engine of its own (CPU
+    plan) or `EvalChannel` on the rollout workers' engines (GPU plan). The launcher builds it from the plan
+    before the first spawn and hands it to rank 0 and to every rollout worker."""
+
+    def open(self, model_path: str, weights, task, spec: EvalSpec) -> AbstractContextManager[Callable[..., dict]]:
+        """Rank 0's end, for the whole run: `evaluate(version, stop=None)` gives the `eval_*` metrics of the
+        version just published through `weights` (the plan's WeightPath); {} if `stop` is set meanwhile."""
+        ...
+
+    def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> "EngineEvaluation | None":
+        """A rollout worker's end: what its loop polls (None: the worker takes no part)."""
+        ...
 
 
 def test_examples(task, spec: EvalSpec) -> list:
-    return task.test[: spec.max_examples] if spec.max_examples else task.test
+    n = spec.eval.max_examples
+    return task.test[:n] if n else task.test
 
 
 def longest_request(task, tokenizer, spec: EvalSpec) -> int:
@@ -43,10 +62,16 @@ def longest_request(task, tokenizer, spec: EvalSpec) -> int:
 def eval_requests(prompts: dict[int, list[int]], spec: EvalSpec) -> list[Request]:
     """Per test example i: one greedy request and `spec.k` sampled ones, with ids -1 - (i * (k + 1) + m),
     m = 0 for the greedy one: negative, so they never meet a rollout's (group * K + sample) in one engine."""
+    k = spec.eval.k
     greedy = SamplingParams(0.0, 1.0, spec.max_new_tokens, spec.stop_ids)
-    sampled = SamplingParams(spec.temperature, 1.0, spec.max_new_tokens, spec.stop_ids)
-    return [Request(-1 - (i * (spec.k + 1) + m), ids, greedy if m == 0 else sampled)
-            for i, ids in prompts.items() for m in range(spec.k + 1)]
+    sampled = SamplingParams(spec.eval.temperature, 1.0, spec.max_new_tokens, spec.stop_ids)
+    return [Request(-1 - (i * (k + 1) + m), ids, greedy if m == 0 else sampled)
+            for i, ids in prompts.items() for m in range(k + 1)]
+
+
+def is_eval_request(request_id: int) -> bool:
+    """Evaluation requests have negative ids; a rollout's are group * K + sample >= 0."""
+    return request_id < 0
 
 
 def eval_slot(request_id: int, k: int) -> tuple[int, int]:
@@ -68,28 +93,41 @@ def eval_metrics(scores: dict[int, list[float]]) -> dict:
 
 
 def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
-    """The whole test split (up to max_examples) on one engine, a CPUEngine or an SGLangEngine."""
+    """The whole test split (up to max_examples) on one engine (any engines.base.Engine)."""
     examples = test_examples(task, spec)
     shard = EvalShard(0, range(len(examples)), examples, tokenizer, spec)
     for completion in engine.generate(shard.requests):
         shard.add(completion)
-    with RewardPool(task.reward, spec.reward_workers, spec.reward_timeout_s, task.reward_options) as pool:
+    with RewardPool(task.reward, spec.reward.workers, spec.reward.timeout_s, task.reward_options) as pool:
         shard.score(tokenizer, pool)
         return eval_metrics(shard.scores())
 
 
-class Evaluator:
-    """The CPU plan's: an engine kept for repeated evaluations; the learner loads each new policy into
-    `targets` (the engine's weight tensors) and calls it, without holding a second Hugging Face model."""
+@dataclass(frozen=True)
+class EngineEvaluator:
+    """The CPU plan's: an engine of rank 0's own, built once and kept, that follows the weight path like a
+    rollout worker's engine, so each evaluation runs on the version just published."""
+    engine: "EngineSpec"  # its max_len holds the longest evaluation request (longest_request)
 
-    def __init__(self, model, tokenizer, task, spec: EvalSpec):
-        self.tokenizer, self.task, self.spec = tokenizer, task, spec
-        self.engine = CPUEngine(model, max_batch=64, max_len=longest_request(task, tokenizer, spec), seed=spec.seed,
-                                dtype=getattr(torch, spec.dtype))
-        self.targets = self.engine.weight_tensors()
+    @contextmanager
+    def open(self, model_path: str, weights, task, spec: EvalSpec):
+        from transformers import AutoTokenizer
 
-    def __call__(self, version: int, stop=None) -> dict:
-        return evaluate(self.engine, self.tokenizer, self.task, self.spec)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        with self.engine.open(model_path, spec.seed) as engine:
+            sync = weights.follower(engine, 0)
+
+            def evaluate_version(version: int, stop=None) -> dict:
+                while engine.version < version:
+                    if stop is not None and stop.is_set():
+                        return {}
+                    sync()
+                return evaluate(engine, tokenizer, task, spec)
+
+            yield evaluate_version
+
+    def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> None:
+        return None
 
 
 class EvalShard:
@@ -97,7 +135,7 @@ class EvalShard:
     finish (`add`), then their scores (`score`, asynchronous in the reward pool)."""
 
     def __init__(self, version: int, indices, examples: list, tokenizer, spec: EvalSpec):
-        self.version, self.k, self.references = version, spec.k, {i: examples[i].answer for i in indices}
+        self.version, self.k, self.references = version, spec.eval.k, {i: examples[i].answer for i in indices}
         self.requests = eval_requests({i: tasks.prompt_ids(tokenizer, examples[i].question) for i in indices}, spec)
         self.completions: dict[int, object] = {}
         self.handle = None
@@ -132,11 +170,16 @@ class EvalChannel:
     split (example i goes to worker i % workers) under the weights it just published, and waits for them.
     Built by the launcher before spawning (multiprocessing queues), handed to rank 0 and every worker."""
 
-    targets = None  # the learner copies no weights for it: the engines already have them
-
     def __init__(self, num_workers: int, ctx):
         self.inboxes = [ctx.Queue() for _ in range(num_workers)]
         self.results = ctx.Queue()
+
+    @contextmanager
+    def open(self, model_path: str, weights, task, spec: EvalSpec):
+        yield self  # the engines already hold each version once it is published
+
+    def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> "EngineEvaluation":
+        return EngineEvaluation(self, worker, task, tokenizer, spec, pool)
 
     # rank 0
     def __call__(self, version: int, stop=None, timeout_s: float = 24 * 3600.0) -> dict:
@@ -175,3 +218,36 @@ class EvalChannel:
         for q in (*self.inboxes, self.results):
             q.close()
             q.join_thread()
+
+
+class EngineEvaluation:
+    """A rollout worker's part of an evaluation on the engines (GPU plan). The worker's loop calls `poll` between
+    two engine steps: it answers rank 0 once this worker's shard of the test split is scored, and takes rank 0's
+    next request once the engine holds the version asked for, returning the requests to add to the engine. The
+    loop hands over the completions it `owns` with `add`; they are scored in the worker's reward pool."""
+
+    def __init__(self, channel: EvalChannel, worker: int, task, tokenizer, spec: EvalSpec, pool):
+        self.channel, self.worker, self.task, self.tokenizer, self.spec, self.pool = (
+            channel, worker, task, tokenizer, spec, pool)
+        self.wanted: int | None = None  # the version rank 0 asked for, not started yet
+        self.shard: EvalShard | None = None  # the evaluation under way
+
+    def poll(self, engine_version: int) -> list[Request]:
+        if self.shard is not None and self.shard.done():
+            self.channel.reply(self.worker, self.shard)
+            self.shard = None
+        if self.shard is None and self.wanted is None:
+            self.wanted = self.channel.job(self.worker)
+        if self.wanted is None or engine_version < self.wanted:  # the weights may not be loaded yet
+            return []
+        self.shard = self.channel.shard(self.worker, self.wanted, self.task, self.tokenizer, self.spec)
+        self.wanted = None
+        return self.shard.requests
+
+    def owns(self, completion: Completion) -> bool:
+        return is_eval_request(completion.request_id)
+
+    def add(self, completion: Completion) -> None:
+        self.shard.add(completion)
+        if self.shard.generated():
+            self.shard.score(self.tokenizer, self.pool)

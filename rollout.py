@@ -4,49 +4,49 @@ The worker asks the staleness gate before starting a group, keeps the engine's s
 batching), and loads new weights between two decode steps: sequences in flight continue, and their later
 tokens carry the new policy version. Finished groups are scored by the reward pool (worker processes with a
 timeout) while generation goes on. On the GPU plan the worker also generates and scores its shard of the test
-split when rank 0 asks (evaluate.EvalChannel), next to its rollouts.
+split when rank 0 asks (evaluate.EngineEvaluation), next to its rollouts.
 """
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 import tasks
 from buffer.ring import Group
-from engines.cpu import Request, SamplingParams
-from rewards.pool import RewardPool
+from buffer.shared import Shared
+from engines.base import Completion, Request, SamplingParams
+from rewards.pool import RewardPool, ScoreHandle
 
-# Columns of the shared per-worker counters, read by the learner for its metrics and by the launcher when a
-# worker dies: groups started / delivered / next index tell it what was lost and where a replacement starts.
-STAT_COLUMNS = ("tokens", "groups", "reward_timeouts", "reward_errors", "started", "next_group", "restarts",
-                "lost_groups", "prompts_truncated", "prompts_skipped")
-(TOKENS, GROUPS, REWARD_TIMEOUTS, REWARD_ERRORS, STARTED, NEXT_GROUP, RESTARTS, LOST_GROUPS, PROMPTS_TRUNCATED,
- PROMPTS_SKIPPED) = range(len(STAT_COLUMNS))
+if TYPE_CHECKING:
+    from engines.base import EngineSpec
+    from evaluate import EvalSpec, Evaluator
+    from launch.config import RewardConfig, RolloutConfig
 
 
-@dataclass
-class WorkerSpec:
-    """The values one rollout worker needs (built by train.py from the config)."""
-    worker_id: int
-    num_workers: int
-    seed: int
-    model_path: str
-    task: str
-    task_cfg: object
-    group_size: int
-    engine: object  # how to build the engine: engines.cpu.CPUEngineSpec or engines.sglang.SGLangSpec
-    sampling: SamplingParams
-    reward_workers: int = 1  # verifier processes (0: score in this process, no timeout)
-    reward_timeout_s: float = 5.0  # a verifier slower than this scores 0 and is counted
-    init_path: str = ""  # starting weights (a checkpoint when resuming); "" = model_path
-    start_version: int = 0  # policy version of those weights
-    first_group: int = 0  # groups of this worker already delivered (resuming): skip their prompts
-    max_prompt_len: int = 0  # longer prompts are cut or skipped (0: no limit)
-    long_prompts: str = "skip"  # skip | truncate (cut from the middle, keeping the last 8 tokens)
-    evals: object = None  # evaluate.EvalChannel: rank 0's requests to evaluate on this engine (GPU plan)
-    eval: object = None  # evaluate.EvalSpec for them
+def run(*, worker: int, workers: int, seed: int, model_path: str, rollout: "RolloutConfig", reward: "RewardConfig",
+        task, engine: "EngineSpec", stop_ids: tuple, max_prompt_len: int, evaluator: "Evaluator",
+        eval_spec: "EvalSpec", shared: Shared, init_path: str = "", start_version: int = 0,
+        first_group: int = 0) -> None:
+    """One rollout worker process. `task` is the task's Config; init_path, start_version and first_group say
+    where a resumed or restarted worker starts (its weights, their version, the groups already delivered)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    data = tasks.get(task.name).build(task, seed)
+    with (RewardPool(data.reward, reward.workers, reward.timeout_s, data.reward_options) as pool,
+          engine.open(init_path or model_path, seed * 1000 + worker) as generator):
+        generator.set_version(start_version)
+        RolloutWorker(
+            worker=worker, workers=workers, seed=seed, group_size=rollout.group_size,
+            sampling=SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens, stop_ids),
+            max_prompt_len=max_prompt_len, long_prompts=rollout.long_prompts, first_group=first_group,
+            engine=generator, sync=shared.weights.follower(generator, worker), tokenizer=tokenizer, task=data,
+            pool=pool, shared=shared, evaluation=evaluator.worker_part(worker, data, tokenizer, eval_spec, pool),
+        ).run()
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -58,111 +58,113 @@ def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int
         yield from shard
 
 
-def run(spec: WorkerSpec, ring, gate, weights, gen_stats, stop) -> None:
-    """One rollout worker. `weights` is the plan's weight path: a WeightStore (CPU) or a GPUWeights."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    task = tasks.get(spec.task).build(spec.task_cfg, spec.seed)
-    seed = spec.seed * 1000 + spec.worker_id
-    with (RewardPool(task.reward, spec.reward_workers, spec.reward_timeout_s, task.reward_options) as pool,
-          spec.engine.open(spec.init_path or spec.model_path, seed) as engine):
-        engine.set_version(spec.start_version)
-        sync = weights.follower(engine, spec.worker_id)
-        _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, pool)
+@dataclass
+class Scoring:
+    """A group whose K completions are all in, waiting for its rewards."""
+    completions: list[Completion]
+    prompt_index: int
+    group_id: int
+    rewards: ScoreHandle
 
 
-def _generate(spec, ring, gate, engine, sync, gen_stats, stop, tokenizer, task, pool):
-    stream = prompt_stream(len(task.train), spec.worker_id, spec.num_workers, spec.seed)
-    for _ in range(spec.first_group):
-        next(stream)
-    k = spec.group_size
-    open_groups: dict[int, tuple[int, dict]] = {}  # group id -> (prompt index, {sample: Completion})
-    scoring: list[tuple] = []  # (completions, prompt index, group id, reward handle), oldest first
-    next_group = spec.first_group
+class RolloutWorker:
+    """One worker's loop and its state. Group ids interleave the workers (group index * workers + worker), and a
+    group's K requests are numbered group id * K + sample, so a finished completion names its group."""
 
-    def start_group():
-        nonlocal next_group
-        index, ids = next_prompt()
-        group_id = next_group * spec.num_workers + spec.worker_id
-        next_group += 1
-        stats[STARTED] += 1
-        stats[NEXT_GROUP] = next_group
-        open_groups[group_id] = (index, {})
-        for i in range(k):
-            engine.add(Request(group_id * k + i, ids, spec.sampling))
+    def __init__(self, *, worker: int, workers: int, seed: int, group_size: int, sampling: SamplingParams,
+                 max_prompt_len: int, long_prompts: str, first_group: int, engine, sync, tokenizer, task, pool,
+                 shared: Shared, evaluation=None):
+        self.worker, self.workers, self.k, self.sampling = worker, workers, group_size, sampling
+        self.max_prompt_len, self.long_prompts = max_prompt_len, long_prompts
+        self.engine, self.sync, self.tokenizer, self.task, self.pool = engine, sync, tokenizer, task, pool
+        self.shared, self.counters, self.evaluation = shared, shared.counters, evaluation
+        self.stream = prompt_stream(len(task.train), worker, workers, seed)
+        for _ in range(first_group):  # a resumed or restarted worker skips the prompts of groups delivered before
+            next(self.stream)
+        self.next_group = first_group  # this worker's index of the next group it starts
+        self.open: dict[int, tuple[int, dict[int, Completion]]] = {}  # group id -> (prompt index, {sample: completion})
+        self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
-    def next_prompt():
-        for index in stream:
-            ids = tasks.prompt_ids(tokenizer, task.train[index].question)
-            if not spec.max_prompt_len or len(ids) <= spec.max_prompt_len:
+    def run(self) -> None:
+        stop = self.shared.stop
+        while not stop.is_set():
+            self.collect(self.sync())  # new weights, if any; an engine that interrupts requests may finish some
+            if self.evaluation is not None:
+                for request in self.evaluation.poll(self.engine.version):
+                    self.engine.add(request)
+            while self.engine.free_slots() - self.engine.num_waiting() >= self.k and self.shared.gate.try_start():
+                self.start_group()
+            if not self.deliver_scored():
+                return  # stopped while the ring was full
+            if self.engine.num_running() + self.engine.num_waiting() == 0:
+                if self.scoring:
+                    time.sleep(0.005)  # nothing to generate; the oldest group is still being scored
+                elif self.shared.gate.wait_start(timeout=0.2):
+                    self.start_group()
+                continue
+            self.collect(self.engine.step())
+
+    def start_group(self) -> None:
+        """A new group, already counted by the gate: K requests of the next prompt."""
+        index, ids = self.next_prompt()
+        group_id = self.next_group * self.workers + self.worker
+        self.next_group += 1
+        self.counters.add(self.worker, "started")
+        self.counters.set(self.worker, "next_group", self.next_group)
+        self.open[group_id] = (index, {})
+        for i in range(self.k):
+            self.engine.add(Request(group_id * self.k + i, ids, self.sampling))
+
+    def next_prompt(self) -> tuple[int, list[int]]:
+        """The next prompt of this worker's shard that fits rollout.max_prompt_len, cut to fit if so configured."""
+        for index in self.stream:
+            ids = tasks.prompt_ids(self.tokenizer, self.task.train[index].question)
+            budget = self.max_prompt_len
+            if not budget or len(ids) <= budget:
                 return index, ids
-            if spec.long_prompts == "truncate":
-                stats[PROMPTS_TRUNCATED] += 1
+            if self.long_prompts == "truncate":
+                self.counters.add(self.worker, "prompts_truncated")
                 # cut the middle: the end of a chat prompt is the assistant header the model continues from
-                tail = min(8, spec.max_prompt_len // 2)
-                return index, ids[:spec.max_prompt_len - tail] + ids[-tail:]
-            stats[PROMPTS_SKIPPED] += 1
+                tail = min(8, budget // 2)
+                return index, ids[:budget - tail] + ids[-tail:]
+            self.counters.add(self.worker, "prompts_skipped")
 
-    evaluation = None  # an evaluate.EvalShard under way: rank 0 asked for this engine's share of the test split
+    def collect(self, finished: list[Completion]) -> None:
+        """Completions out of the engine: evaluation's to the evaluation, rollouts' into their groups; a group
+        whose K samples are in goes to the reward pool."""
+        for done in finished:
+            if self.evaluation is not None and self.evaluation.owns(done):
+                self.evaluation.add(done)
+                continue
+            self.counters.add(self.worker, "tokens", len(done.token_ids))
+            group_id, sample = divmod(done.request_id, self.k)
+            index, samples = self.open[group_id]
+            samples[sample] = done
+            if len(samples) == self.k:
+                del self.open[group_id]
+                completions = [samples[i] for i in range(self.k)]
+                texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+                handle = self.pool.submit(texts, [self.task.train[index].answer] * self.k)
+                self.scoring.append(Scoring(completions, index, group_id, handle))
 
-    def start_evaluation(version):
-        while engine.version < version and not stop.is_set():  # the CPU store may not be loaded yet
-            for done in sync():
-                finish(done)
-            time.sleep(0.01)
-        shard = spec.evals.shard(spec.worker_id, version, task, tokenizer, spec.eval)
-        for request in shard.requests:
-            engine.add(request)
-        return shard
-
-    def finish(done):
-        if done.request_id < 0:  # an evaluation request (evaluate.eval_requests)
-            evaluation.add(done)
-            if evaluation.generated():
-                evaluation.score(tokenizer, pool)
-            return
-        stats[TOKENS] += len(done.token_ids)
-        group_id, sample = divmod(done.request_id, k)
-        index, samples = open_groups[group_id]
-        samples[sample] = done
-        if len(samples) == k:
-            del open_groups[group_id]
-            completions = [samples[i] for i in range(k)]
-            texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            handle = pool.submit(texts, [task.train[index].answer] * k)
-            scoring.append((completions, index, group_id, handle))
-
-    stats = gen_stats[spec.worker_id]
-    while not stop.is_set():
-        for done in sync():  # new weights, if any; an engine that interrupts requests to load them may finish some
-            finish(done)
-        if spec.evals is not None and evaluation is None and (version := spec.evals.job(spec.worker_id)) is not None:
-            evaluation = start_evaluation(version)
-        if evaluation is not None and evaluation.done():
-            spec.evals.reply(spec.worker_id, evaluation)
-            evaluation = None
-        while engine.free_slots() - engine.num_waiting() >= k and gate.try_start():
-            start_group()
-        while scoring and scoring[0][3].done():
-            completions, index, group_id, handle = scoring.pop(0)
-            group = _to_group(completions, handle.result(), index, group_id, spec.worker_id)
-            while not ring.put(group, timeout=0.5):
-                if stop.is_set():
-                    return
-            stats[GROUPS] += 1
-            stats[REWARD_TIMEOUTS], stats[REWARD_ERRORS] = pool.timeouts, pool.errors
-        if engine.num_running() + engine.num_waiting() == 0:
-            if scoring:
-                time.sleep(0.005)  # nothing to generate; the oldest group is still being scored
-            elif gate.wait_start(timeout=0.2):
-                start_group()
-            continue
-        for done in engine.step():
-            finish(done)
+    def deliver_scored(self) -> bool:
+        """Scored groups into the ring, oldest first; False if the run stopped while the ring was full."""
+        while self.scoring and self.scoring[0].rewards.done():
+            scored = self.scoring.popleft()
+            group = to_group(scored.completions, scored.rewards.result(), scored.prompt_index, scored.group_id,
+                             self.worker)
+            while not self.shared.ring.put(group, timeout=0.5):
+                if self.shared.stop.is_set():
+                    return False
+            self.counters.add(self.worker, "groups")
+            self.counters.set(self.worker, "reward_timeouts", self.pool.timeouts)
+            self.counters.set(self.worker, "reward_errors", self.pool.errors)
+        return True
 
 
-def _to_group(completions: list, rewards: list[float], index: int, group_id: int, worker_id: int) -> Group:
+def to_group(completions: list[Completion], rewards: list[float], index: int, group_id: int,
+             worker_id: int) -> Group:
+    """K completions of one prompt and their rewards as one ring entry, padded to the longest."""
     width = max(len(c.token_ids) for c in completions)
     k = len(completions)
     ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)
@@ -184,18 +186,3 @@ def _to_group(completions: list, rewards: list[float], index: int, group_id: int
         group_id=group_id,
         worker_id=worker_id,
     )
-
-
-def reclaim_worker(ring, gate, gen_stats, w: int) -> int:
-    """After worker w died: its half-written ring slot is freed, the groups it started but never delivered are
-    dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none twice)."""
-    ring.reclaim(w)
-    gate.recover()
-    stats = gen_stats[w]
-    lost = int(stats[STARTED] - stats[GROUPS])
-    if lost > 0:
-        gate.cancel(lost)
-    stats[STARTED] = stats[GROUPS]
-    stats[LOST_GROUPS] += lost
-    stats[RESTARTS] += 1
-    return lost

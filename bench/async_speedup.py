@@ -1,10 +1,10 @@
 """Asynchrony: the default run at max_staleness = 0 (synchronous) against 1, 2 and 4, same seed and steps.
 
-    python bench/async_speedup.py [--steps 12] [--etas 0,1,2,4] [--out bench_out/async]
+    python -m bench.async_speedup [--steps 12] [--etas 0,1,2,4] [--out bench_out/async]
 
 The settings are one Hydra multirun of `train.py` (one rollout worker + one trainer rank, one thread each,
-on the same 2 cores), each evaluated on the test split at the end. Prints wall-clock, reward and accuracy per setting, where
-the synchronous run's time goes (the trainer waiting for data vs training), draws the runs side by side with
+on the same 2 cores), each evaluated on the test split at the end. Prints wall-clock, reward and accuracy per setting,
+where the synchronous run's time goes (the trainer waiting for data vs training), draws the runs side by side with
 plot.py, and ends with `async_speedup=<loop time at eta=0 / loop time at eta=2>`.
 """
 import argparse
@@ -70,7 +70,6 @@ def main():
     print("\nreward_mean per step:")
     for r in results:
         print(f"  max_staleness={r['eta']}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
-    sys.path.insert(0, ROOT)
     import plot
 
     png = os.path.join(args.out, "sweep.png")

@@ -22,7 +22,8 @@ def model_matmul_flops(config, tokens: int, dtype: torch.dtype, repeats: int = 5
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (d, ff), (ff, d)]  # q k v o gate up down
     flops = seconds = 0.0
     for count, (k, n) in [(config.num_hidden_layers, shape) for shape in shapes] + [(1, (d, config.vocab_size))]:
-        x, w, g = torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(tokens, n, dtype=dtype)
+        x, w, g = (torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype),
+                   torch.randn(tokens, n, dtype=dtype))
         for matmul in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x):
             matmul()
             start = time.perf_counter()

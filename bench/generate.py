@@ -1,22 +1,19 @@
 """The built-in CPU engine against Hugging Face `generate`: same model, prompts, budget and sampling.
 
-    python bench/generate.py [--sequences 64] [--new-tokens 64] [--threads 2]
+    python -m bench.generate [--sequences 64] [--new-tokens 64] [--threads 2]
 
 Prints tokens/s of both in fp32 and bf16, the engine's fraction of the limit implied by the matmul peak
 measured in the same run (2 x parameters FLOPs per token), and ends with `engine_vs_hf=<ratio>` (bf16).
 Completions stop at EOS, so their lengths vary: continuous batching refills finished slots at once.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import load, matmul_peak_flops, task_prompts  # noqa: E402
-from engines.cpu import CPUEngine, Request, SamplingParams  # noqa: E402
+from bench.common import load, matmul_peak_flops, task_prompts
+from engines.base import Request, SamplingParams
+from engines.cpu import CPUEngine
 
 
 def run_engine(model, prompts, new_tokens, eos, dtype) -> tuple[int, float]:

@@ -1,6 +1,6 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
-    python bench/train_step.py [--threads 2] [--steps 3] [--compile] [--completion-len 16]
+    python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
@@ -13,22 +13,19 @@ bf16 units, so that ceiling, not the square-matmul peak, bounds what the step co
 around the matmuls), prints its compile time and its speed against eager bf16 in the same run.
 """
 import argparse
-import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import algos  # noqa: E402
-from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts  # noqa: E402
-from buffer.ring import Group  # noqa: E402
-from models.loader import resolve  # noqa: E402
-from trainer.batch import pack  # noqa: E402
-from trainer.learner import Learner, LearnerSpec  # noqa: E402
+import algos
+from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts
+from buffer.ring import Group
+from launch.config import RolloutConfig, TrainConfig
+from models.loader import resolve
+from trainer.batch import pack
+from trainer.learner import Learner
 
 
 def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
@@ -46,11 +43,10 @@ def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
 
 def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: bool,
             longest: int = 16) -> tuple[float, int, int, object]:
-    spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=path, run_dir="", steps=steps, seed=0, max_staleness=0,
-                       batch_groups=8, micro_groups=8, micro_tokens=4096, group_size=8, max_new_tokens=longest,
-                       temperature=1.0, lr=1e-6, weight_decay=0.0, grad_clip=1.0, autocast=autocast, algo=algo,
-                       algo_cfg=algos.get(algo).Config(), checkpoint_every=0, progress=False, compile=compile)
-    learner = Learner(spec)
+    train = TrainConfig(batch_groups=8, micro_groups=8, micro_tokens=4096, lr=1e-6, grad_clip=1.0,
+                        autocast="bfloat16" if autocast else "none", compile=compile)
+    learner = Learner(model_path=path, train=train, algo=algos.get(algo).Config(),
+                      rollout=RolloutConfig(group_size=8, max_new_tokens=longest, temperature=1.0))
     data = batch(tokenizer, longest=longest)
     start = time.perf_counter()
     learner.step(data, 1)  # warm-up
@@ -83,7 +79,8 @@ def main():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
-    cases = [(False, torch.float32, False), (True, torch.bfloat16, False)] + [(True, torch.bfloat16, True)] * args.compile
+    cases = ([(False, torch.float32, False), (True, torch.bfloat16, False)]
+             + [(True, torch.bfloat16, True)] * args.compile)
     for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
         seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,

@@ -1,6 +1,6 @@
 """Moving data between processes, against one plain copy of the same bytes measured in the same run.
 
-    python bench/transport.py [--seconds 1.0] [--threads 1] [--reps 5]
+    python -m bench.transport [--seconds 1.0] [--threads 1] [--reps 5]
 
 Ring: a producer process streams groups through the trajectory ring to this process, for three group sizes.
 `ring/copy_` divides the payload bytes/s delivered end to end by those of one `dst.copy_(src)` of a group's
@@ -19,16 +19,13 @@ one `copy_` of the same bytes. Ends with `ring_vs_copy=<large case ring/copy_>` 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from buffer.ring import Group, TrajectoryRing  # noqa: E402
-from engines.weights import WeightStore  # noqa: E402
+from buffer.ring import Group, TrajectoryRing
+from engines.weights import WeightStore
 
 # (name, K, new tokens, prompt tokens): the default run, a GSM8K-like run, and long completions.
 RING_CASES = [("default", 8, 16, 40), ("gsm8k-like", 8, 512, 200), ("large", 16, 4096, 200)]
@@ -162,7 +159,8 @@ def weight_times(ctx, reps: int, threads: int) -> tuple[list, list, float, int]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=1.0, help="measured time of each of ring, handoff, copy_ per case")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="measured time of each of ring, handoff, copy_ per case")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (the default run's)")
     parser.add_argument("--reps", type=int, default=5, help="weight publications")
     args = parser.parse_args()
@@ -174,7 +172,8 @@ def main():
     print(f"ring: a producer process -> this process, {RING_SLOTS} slots; handoff: a bare shared buffer + semaphores, "
           f"copy_ in, clone out; copy_: dst.copy_(src) of one group's bytes here. {args.seconds:g} s each, in turns")
     print(f"{'case':11s} {'K':>3s} {'new':>5s} {'prompt':>6s} {'bytes/group':>11s} {'groups/s':>9s} "
-          f"{'us/group':>8s} {'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} {'ring/handoff':>12s} {'ring/copy_':>10s}")
+          f"{'us/group':>8s} {'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} {'ring/handoff':>12s} "
+          f"{'ring/copy_':>10s}")
     for case in RING_CASES:
         name, k, new_tokens, prompt_len = case
         nbytes = payload_bytes(make_group(k, new_tokens, prompt_len))
@@ -182,15 +181,18 @@ def main():
         ring, handoff, copy = rate["ring"], rate["handoff"], rate["copy_"]
         ring_vs_copy = ring / copy  # reported for the last case, the largest groups
         print(f"{name:11s} {k:3d} {new_tokens:5d} {prompt_len:6d} {nbytes:11d} {ring / nbytes:9.0f} "
-              f"{1e6 * nbytes / ring:8.1f} {ring / 1e6:9.0f} {copy / 1e6:10.0f} {handoff / 1e6:12.0f} {ring / handoff:12.2f} {ring / copy:10.2f}")
+              f"{1e6 * nbytes / ring:8.1f} {ring / 1e6:9.0f} {copy / 1e6:10.0f} {handoff / 1e6:12.0f} "
+              f"{ring / handoff:12.2f} {ring / copy:10.2f}")
 
     publish_s, read_s, memcpy_s, nbytes = weight_times(ctx, args.reps, args.threads)
     # The first publish and read also map the shared pages into each process: steady state is the median after.
     publish, read, memcpy = (statistics.median(times[1:]) for times in (publish_s, read_s, memcpy_s))
     print(f"weights: smollm2-135m fp32, {nbytes / 1e6:.0f} MB; publish in a child process, read_into here; "
           f"seconds per rep, then the median after the first")
-    for name, times, median in (("publish", publish_s, publish), ("read_into", read_s, read), ("copy_", memcpy_s, memcpy)):
-        print(f"  {name:9s} " + " ".join(f"{t:.3f}" for t in times) + f"  -> {median:.3f} ({nbytes / median / 1e9:.1f} GB/s)")
+    for name, times, median in (("publish", publish_s, publish), ("read_into", read_s, read),
+                                ("copy_", memcpy_s, memcpy)):
+        print(f"  {name:9s} " + " ".join(f"{t:.3f}" for t in times)
+              + f"  -> {median:.3f} ({nbytes / median / 1e9:.1f} GB/s)")
     print(f"ring_vs_copy={ring_vs_copy:.2f}")
     print(f"weights_vs_memcpy={(publish + read) / memcpy:.2f}")
 

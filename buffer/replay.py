@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer.ring import Group
+from buffer.staleness import lag, too_old
 
 SAMPLERS = ("fifo", "tba")
 
@@ -59,6 +60,11 @@ class ReplayBuffer:
             ("buffer/size", "buffer/age_mean", "buffer/age_max", "buffer/recent_frac", "buffer/prompts",
              "buffer/history"), 0.0)
 
+    @classmethod
+    def from_config(cls, buffer, sampler: str, seed: int) -> "ReplayBuffer":
+        """From the config's buffer section; `sampler`: fifo or tba, `buffer.sampler=auto` already resolved."""
+        return cls(sampler, buffer.recent_prob, buffer.inv_temp, buffer.per_prompt_capacity, seed)
+
     def __len__(self) -> int:
         """Fresh groups not yet returned (both samplers); the replay history is counted in stats()."""
         return len(self._fresh)
@@ -76,11 +82,11 @@ class ReplayBuffer:
         if self.sampler == "tba":
             self._remember(group, version)
 
-    def expire_fresh(self, version: int, max_age: int) -> int:
-        """Forget, as fresh, groups whose oldest token is more than max_age versions old (tba keeps them in
-        its history). Returns how many were expired."""
+    def expire_fresh(self, version: int, max_staleness: int) -> int:
+        """Forget, as fresh, groups too old to train on at `version` (tba keeps them in its history). Returns
+        how many were expired."""
         before = len(self._fresh)
-        self._fresh = deque(g for g in self._fresh if version - g.min_version() <= max_age)
+        self._fresh = deque(g for g in self._fresh if not too_old(g, version, max_staleness))
         return before - len(self._fresh)
 
     def _remember(self, group: Group, version: int) -> None:
@@ -123,7 +129,7 @@ class ReplayBuffer:
                 fresh += 1
             else:
                 groups.append(self._replay())
-        ages = [version - g.min_version() for g in groups]
+        ages = [lag(g, version) for g in groups]
         held = self._history.keys() if self.sampler == "tba" else {g.prompt_index for g in self._fresh}
         self._last = {
             "buffer/size": float(len(self._fresh)),

@@ -185,7 +185,8 @@ class TrajectoryRing:
 
     def _lane(self, worker_id: int) -> slice:
         if not 0 <= worker_id < self.num_producers:
-            raise ValueError(f"worker_id={worker_id} has no lane: the ring was built for num_producers={self.num_producers}")
+            raise ValueError(f"worker_id={worker_id} has no lane: "
+                             f"the ring was built for num_producers={self.num_producers}")
         return slice(worker_id * self.lane_slots, (worker_id + 1) * self.lane_slots)
 
     def _check(self, group: Group) -> None:
@@ -195,7 +196,8 @@ class TrajectoryRing:
         if N > self.max_new_tokens:
             raise ValueError(f"completions of {N} tokens exceed the ring's max_new_tokens={self.max_new_tokens}")
         if group.prompt_ids.dim() != 1 or group.prompt_ids.shape[0] > self.max_prompt_len:
-            raise ValueError(f"prompt of shape {tuple(group.prompt_ids.shape)} exceeds max_prompt_len={self.max_prompt_len}")
+            raise ValueError(f"prompt of shape {tuple(group.prompt_ids.shape)} "
+                             f"exceeds max_prompt_len={self.max_prompt_len}")
         for name in ("logprobs", "versions"):
             if getattr(group, name).shape != group.completion_ids.shape:
                 raise ValueError(f"{name} must have the shape of completion_ids {tuple(group.completion_ids.shape)}")

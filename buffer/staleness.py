@@ -1,4 +1,6 @@
-"""The staleness gate: a bound on how far generation may run ahead of training (AReaL, eta = max_staleness).
+"""Staleness, the one place it is defined: how old a group is, when it is too old, and the gate that bounds how
+far generation may run ahead of training (AReaL, eta = max_staleness). The learner, the replay buffer and the
+launcher's ring sizing ask this module rather than restating the rule.
 
 With B groups per training batch and policy version v (optimizer steps done), at most (eta + v + 1) * B
 groups may ever have been started. eta = 0 is synchronous RL: the batch for step v+1 can only be sampled
@@ -18,8 +20,29 @@ import torch.multiprocessing as mp
 STARTED, VERSION = 0, 1
 
 
+def lag(group, version: int) -> int:
+    """How many policy versions the group's oldest token is behind `version` (the learner's, about to train)."""
+    return version - group.min_version()
+
+
+def too_old(group, version: int, max_staleness: int) -> bool:
+    """Too stale to train on at `version`: its oldest token is more than max_staleness versions old."""
+    return lag(group, version) > max_staleness
+
+
+def started_limit(version: int, max_staleness: int, batch_groups: int) -> int:
+    """How many groups may ever have been started once the learner is at `version` (AReaL's bound)."""
+    return (max_staleness + version + 1) * batch_groups
+
+
+def lane_slots(max_staleness: int, batch_groups: int) -> int:
+    """Ring slots one rollout worker's lane needs: every group the bound lets it start while the learner has
+    not yet taken any, plus the one it may be writing."""
+    return started_limit(0, max_staleness, batch_groups) + 1
+
+
 class StalenessGate:
-    """AReaL's bound: a worker may start a new group only while groups_started + 1 <= (eta + version + 1) * batch_groups."""
+    """AReaL's bound: a worker may start a new group only while groups_started + 1 <= started_limit(version)."""
 
     def __init__(self, batch_groups: int, max_staleness: int, ctx=None, version: int = 0):
         if batch_groups < 1 or max_staleness < 0:
@@ -40,7 +63,7 @@ class StalenessGate:
 
     def _has_budget(self) -> bool:
         started, version = self._counts.tolist()
-        return started + 1 <= (self.max_staleness + version + 1) * self.batch_groups
+        return started + 1 <= started_limit(version, self.max_staleness, self.batch_groups)
 
     def try_start(self) -> bool:
         """Atomically check the bound and, if it allows, count one more started group."""

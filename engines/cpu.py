@@ -15,32 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engines.base import Completion, Request, check_request
 from engines.llama import Llama
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0            # 0 means greedy
-    top_p: float = 1.0                  # nucleus mass kept; 1 keeps the full vocabulary
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class Request:
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class Completion:
-    request_id: int
-    prompt_ids: list[int]
-    token_ids: list[int]   # generated tokens, the stop token included when one was sampled
-    logprobs: list[float]  # log softmax(logits / T) over the full vocabulary at each sampled token
-    versions: list[int]    # engine.version when each token was sampled
-    finish_reason: str     # "stop" | "length"
 
 
 @dataclass
@@ -125,20 +101,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     if bool(greedy.any()):
         tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm
-
-
-def check_request(request: Request, max_len: int | None = None) -> None:
-    """The promises every engine asks of a request, as one-line ValueErrors."""
-    n_prompt, params = len(request.prompt_ids), request.params
-    if n_prompt == 0:
-        raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if max_len is not None and n_prompt + params.max_new_tokens > max_len:
-        raise ValueError(f"request {request.request_id}: prompt {n_prompt} + max_new_tokens "
-                         f"{params.max_new_tokens} > max_len {max_len}; raise max_len or shorten it")
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
 
 
 class CPUEngine:

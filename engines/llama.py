@@ -171,7 +171,8 @@ class Llama:
             keys = k_cache[i, :n, :, :length] if dense else k_cache[i, slots, :, :length]
             values = v_cache[i, :n, :, :length] if dense else v_cache[i, slots, :, :length]
             # The G query heads sharing a kv head go in as G query rows: faster on CPU than enable_gqa.
-            attn = F.scaled_dot_product_attention(q.unflatten(1, (self.n_kv_heads, -1)), keys, values, attn_mask=visible)
+            attn = F.scaled_dot_product_attention(q.unflatten(1, (self.n_kv_heads, -1)), keys, values,
+                                                  attn_mask=visible)
             x = x + F.linear(attn.flatten(1), layer.o)
             x = x + self._mlp(layer, x)
         return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()

@@ -1,8 +1,8 @@
-"""The GPU generation engine: SGLang's offline `Engine` behind CPUEngine's interface, with interruptible generation.
+"""The GPU generation engine: SGLang's offline `Engine` behind engines.base.Engine, with interruptible generation.
 
     engine = SGLangEngine(model_path, tp_size=1, base_gpu_id=0, mem_fraction_static=0.85)
     engine.add(Request(0, prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=256)))
-    finished = engine.step()               # Completions, as from CPUEngine.step()
+    finished = engine.step()               # Completions, as from any engines.base.Engine
     engine.sync_weights(channel, index)    # between steps: load a new version if the trainer ships one
 
 A new weight version interrupts the requests in flight (AReaL): SGLang aborts them and returns what each
@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engines.cpu import Completion, Request, SamplingParams, check_request
+from engines.base import Completion, Request, SamplingParams, check_request
 
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
-    """CPUEngine's sampling parameters in SGLang's names. SGLang's logprobs are log softmax(logits / T) over
+    """An engine-neutral SamplingParams in SGLang's names. SGLang's logprobs are log softmax(logits / T) over
     the full vocabulary (before top-p), as the CPU engine's and the trainer's are."""
     return {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True}

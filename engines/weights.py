@@ -88,7 +88,8 @@ class WeightStore:
             if name not in self._layout:
                 raise ValueError(f"unknown weight {name!r}: the store was built for {len(self._layout)} other names")
             if tensor.shape != self._layout[name][2]:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the store expects {tuple(self._layout[name][2])}")
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the store expects {tuple(self._layout[name][2])}")
         self._header[SEQ] += 1  # odd: a publish is in progress
         for name, tensor in items:
             self._view(name).copy_(tensor.detach())
@@ -102,7 +103,8 @@ class WeightStore:
         names = [name for name in targets if name in self._layout]
         for name in names:
             if targets[name].shape != self._layout[name][2]:
-                raise ValueError(f"target {name!r} has shape {tuple(targets[name].shape)}, the store holds {tuple(self._layout[name][2])}")
+                raise ValueError(f"target {name!r} has shape {tuple(targets[name].shape)}, "
+                                 f"the store holds {tuple(self._layout[name][2])}")
         while True:
             seq = int(self._header[SEQ])
             if seq % 2:  # a publish is in progress: wait for it rather than copy data that will be thrown away

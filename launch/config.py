@@ -1,13 +1,20 @@
-"""The typed run configuration: dataclasses with defaults, strict parsing and one-line errors.
+"""The run configuration's schema: one typed dataclass per section, every key with its default and comment.
 
-Hydra composes `conf/`; `parse` turns the composed dict into these dataclasses, refusing unknown keys and
-out-of-range values. `check_overrides` runs before Hydra so that a mistyped override gets the same
-one-line message instead of Hydra's multi-line report.
+Hydra composes `conf/config.yaml`: this schema first (`register` stores it as `schema`, each learning rule's
+and task's own `Config` as `schema/algo/<name>` and `schema/task/<name>`), then one preset per group
+(`algo=`, `task=`, `model=`, `cluster=`: `conf/<group>/<name>.yaml`, each in Hydra's `_global_` package, so a
+preset may also set keys of other sections), then the command line. Presets set only what differs from the
+schema; `tests/test_config.py` refuses a preset that repeats a default.
+
+`parse` turns the composed config into these dataclasses and checks every value; `check_overrides` runs before
+Hydra so that a mistyped command line gets one line (naming the key) instead of Hydra's multi-line report.
 """
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 GROUPS = ("algo", "task", "model", "cluster")
@@ -23,7 +30,7 @@ class ModelConfig:
 
 @dataclass
 class ClusterConfig:
-    plan: str = "auto"  # auto | cpu | gpu: where generation and training run
+    plan: str = "auto"  # auto | cpu | gpu: where generation and training run (auto: gpu when torch sees CUDA)
     rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
     trainer_ranks: int = 1  # FSDP2 training processes (CPU plan; on the GPU plan, one per training GPU)
     threads_per_process: int = 1  # torch threads per process, so the cores are not oversubscribed
@@ -33,10 +40,10 @@ class ClusterConfig:
     gen_gpus: int = 0  # GPUs running SGLang engines (0: half, in whole tensor-parallel groups)
     train_gpus: int = 0  # GPUs running FSDP2 ranks (0: the rest)
     tp_size: int = 1  # GPUs per SGLang engine (0: the smallest that fits the model)
-    mem_fraction_static: float = 0.0  # SGLang's share of a generation GPU (0: the layout's default)
-    weight_sync: str = "ipc"  # ipc (CUDA IPC handles) | nccl (broadcast from trainer rank 0)
-    bucket_mb: int = 512  # weight-sync bucket size
-    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    mem_fraction_static: float = 0.0  # SGLang's share of a generation GPU: bf16 weights + KV cache (0: the layout's)
+    weight_sync: str = "ipc"  # ipc (CUDA IPC handles, GPUs with peer access) | nccl (broadcast from trainer rank 0)
+    bucket_mb: int = 512  # weight-sync bucket: extra GPU memory on trainer rank 0, and the unit of transfer
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
 
     def check(self):
         _require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
@@ -57,18 +64,19 @@ class RolloutConfig:
     group_size: int = 8  # K completions sampled per prompt
     temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling threshold
-    max_new_tokens: int = 16  # completion budget per sample
+    max_new_tokens: int = 16  # completion budget per sample (a task's preset may raise it: gsm8k 512)
     max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
     max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
     long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
-    dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls
+    dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls (bf16 decodes ~2x faster here)
 
     def check(self):
         _require(self.group_size >= 2, "rollout.group_size", "must be >= 2", self.group_size)
         _require(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
-        _require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size", self.max_batch)
+        _require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size",
+                 self.max_batch)
         _require(self.dtype in ("bfloat16", "float32"), "rollout.dtype", "must be bfloat16 or float32", self.dtype)
         _require(self.max_prompt_len >= 0, "rollout.max_prompt_len", "must be >= 0 (0: no limit)", self.max_prompt_len)
         _require(self.long_prompts in ("skip", "truncate"), "rollout.long_prompts", "must be skip or truncate",
@@ -116,7 +124,7 @@ class EvalConfig:
 @dataclass
 class RewardConfig:
     workers: int = 1  # verifier processes per rollout worker (0: score in the rollout process, no timeout)
-    timeout_s: float = 5.0  # a verifier slower than this is killed; the completion scores 0 (counted)
+    timeout_s: float = 5.0  # a verifier slower than this is killed; the completion scores 0 (reward/timeouts)
 
     def check(self):
         _require(self.workers >= 0, "reward.workers", "must be >= 0", self.workers)
@@ -125,7 +133,7 @@ class RewardConfig:
 
 @dataclass
 class BufferConfig:
-    sampler: str = "auto"  # auto (the loss's own choice) | fifo | tba
+    sampler: str = "auto"  # auto (the loss's own choice: tba for tb, fifo otherwise) | fifo | tba
     recent_prob: float = 0.5  # tba: chance that a group is the newest data rather than a replay
     inv_temp: float = 1.0  # tba: replay draws completions with probability ~ exp(inv_temp * reward)
     per_prompt_capacity: int = 64  # tba: newest completions kept per prompt
@@ -140,7 +148,7 @@ class BufferConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N steps (0: only at the end)
+    every: int = 0  # also save every N steps (0: only at the end)
     keep: int = 0  # newest checkpoints kept on disk (0: all)
 
     def check(self):
@@ -153,25 +161,30 @@ class Config:
     steps: int = 30  # optimizer steps to run
     seed: int = 0  # fixes data order, sampling and initialisation
     max_staleness: int = 2  # eta: how many versions older than the learner the data may be (0 = synchronous)
-    algo: dict = field(default_factory=dict)  # the loss module's knobs, checked by the module's own Config
-    task: dict = field(default_factory=dict)  # the task's knobs, checked by the task's own Config
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    progress: bool = True  # progress bar on stderr (plain lines when stderr is not a terminal)
+    logger: str = "none"  # none | tensorboard | wandb (W&B: $WANDB_MODE, else online if logged in, else offline)
+    resume: str = ""  # a run directory: continue it in place from its latest checkpoint
+    # The sections, in the order a run's config.yaml lists them:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    progress: bool = True  # show a progress bar
-    logger: str = "none"  # none | tensorboard | wandb: where metrics go besides metrics.jsonl
-    resume: str = ""  # a run directory: continue it in place from its latest checkpoint
+    algo: Any = MISSING  # the learning rule's Config (algos/<name>.py), chosen by algo=<name>
+    task: Any = MISSING  # the task's Config (tasks/<name>.py), chosen by task=<name>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def check(self):
         _require(self.steps >= 1, "steps", "must be >= 1", self.steps)
         _require(self.max_staleness >= 0, "max_staleness", "must be >= 0", self.max_staleness)
         _require(self.logger in ("none", "tensorboard", "wandb"), "logger", "must be none, tensorboard or wandb",
                  self.logger)
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "check"):
+                section.check()
         _require(self.buffer.sampler != "tba" or self.buffer.per_prompt_capacity >= self.rollout.group_size,
                  "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
                  self.buffer.per_prompt_capacity)
@@ -180,7 +193,8 @@ class Config:
         cores = len(os.sched_getaffinity(0))
         _require(c.plan == "gpu" or c.oversubscribe or threads <= cores, "cluster.rollout_workers",
                  f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
-                 "(or set cluster.oversubscribe=true)", f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
+                 "(or set cluster.oversubscribe=true)",
+                 f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
         _require(self.train.batch_groups % self.cluster.trainer_ranks == 0, "train.batch_groups",
                  f"must be divisible by cluster.trainer_ranks={self.cluster.trainer_ranks}", self.train.batch_groups)
 
@@ -190,91 +204,129 @@ def _require(ok: bool, key: str, what: str, got: Any) -> None:
         raise ValueError(f"config key '{key}' {what} (got {got!r})")
 
 
-def build(cls, data: dict, prefix: str = ""):
-    """Build dataclass `cls` from a plain dict: unknown keys and wrong types raise a one-line ValueError."""
-    hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {}
-    for key, value in (data or {}).items():
-        full = f"{prefix}{key}"
-        if key not in names:
-            raise ValueError(f"unknown config key '{full}' (known: {', '.join(sorted(names))})")
-        values[key] = _coerce(hints[key], value, full)
-    obj = cls(**values)
-    for f in dataclasses.fields(obj):
-        if dataclasses.is_dataclass(getattr(obj, f.name)) and f.name not in values:
-            getattr(obj, f.name).check()
-    if hasattr(obj, "check"):
-        obj.check()
-    return obj
+def register() -> None:
+    """Hand the schema to Hydra's ConfigStore (before composing): `schema`, and every rule's and task's Config."""
+    from hydra.core.config_store import ConfigStore
+
+    import algos
+    import tasks
+
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for name in algos.names():
+        store.store(group="schema/algo", name=name, node=algos.get(name).Config)
+    for name in tasks.names():
+        store.store(group="schema/task", name=name, node=tasks.get(name).Config)
 
 
-def _coerce(kind, value, key):
-    if dataclasses.is_dataclass(kind):
-        if not isinstance(value, dict):
-            raise ValueError(f"config key '{key}' must be a mapping (got {value!r})")
-        return build(kind, value, key + ".")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is dict and isinstance(value, dict):
-        return value
-    if kind in (int, float, str, bool, dict) and not (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
-        raise ValueError(f"config key '{key}' must be of type {kind.__name__} (got {value!r})")
-    return value
+def compose(overrides: list[str]):
+    """What Hydra composes for these overrides, outside a run (tests, tools): the untyped DictConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def parse(raw) -> Config:
+    """The typed, checked config from a composed one (or a run's saved config.yaml): `cfg.algo` and `cfg.task`
+    are the chosen rule's and task's own Config. Unknown keys, wrong types and out-of-range values raise a
+    one-line ValueError naming the key."""
+    data = raw if isinstance(raw, dict) else OmegaConf.to_container(raw, resolve=True)
+    typed = _schema(data.get("algo", {}).get("name", ""), data.get("task", {}).get("name", ""))
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(typed, data))
+    except OmegaConfBaseException as e:
+        raise ValueError(_one_line(e, typed)) from None
+    cfg.check()
+    return cfg
+
+
+def _schema(algo: str, task: str):
+    """The schema as an OmegaConf node, with that rule's and that task's Config in their sections."""
+    import algos
+    import tasks
+
+    typed = OmegaConf.structured(Config)
+    typed.algo = OmegaConf.structured(algos.get(algo).Config)
+    typed.task = OmegaConf.structured(tasks.get(task).Config)
+    return typed
+
+
+def _one_line(e: OmegaConfBaseException, typed) -> str:
+    """OmegaConf's multi-line error as ours: the key, what was wrong, and what is known there."""
+    key = e.full_key or str(e.key)
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        parent, _, _ = key.rpartition(".")
+        node = OmegaConf.select(typed, parent) if parent else typed
+        known = sorted(node.keys()) if OmegaConf.is_dict(node) else []
+        group = f" for {parent}={typed[parent].name}" if parent in ("algo", "task") else ""
+        return f"unknown config key '{key}'{group} (known: {', '.join(known)})"
+    if isinstance(e, ValidationError) and e.object_type is not None and e.key in get_type_hints(e.object_type):
+        kind = get_type_hints(e.object_type)[e.key]
+        return f"config key '{key}' must be of type {getattr(kind, '__name__', kind)} (got {e.value!r})"
+    return f"config key '{key}': {e.msg.splitlines()[0]}"
 
 
 def check_overrides(args: list[str]) -> None:
-    """Refuse command-line overrides that name a key the config does not have, before Hydra sees them."""
+    """Refuse, before Hydra sees them, command-line overrides naming an unknown group option or key, or giving a
+    value of the wrong type: each is checked against the schema of every option the command line selects."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
 
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parsed = [o for o in OverridesParser.create().parse_overrides(overrides)
+              if not o.key_or_group.startswith("hydra") and not o.is_delete()]
+    choices = {group: [option] for group, option in _default_choices().items()}
+    for o in parsed:
+        if o.key_or_group in GROUPS:
+            options = [str(v) for v in _values(o)]
+            for option in options:
+                if not os.path.exists(os.path.join(CONF_DIR, o.key_or_group, f"{option}.yaml")):
+                    raise ValueError(f"unknown {o.key_or_group} '{option}' (choose one of: "
+                                     f"{', '.join(options_of(o.key_or_group))})")
+            choices[o.key_or_group] = options
+    keys = [o for o in parsed if o.key_or_group not in GROUPS]
+    for algo in choices["algo"]:
+        for task in choices["task"]:
+            typed = _schema(_preset_name("algo", algo), _preset_name("task", task))
+            for o in keys:
+                for value in _values(o):
+                    try:
+                        OmegaConf.update(typed, o.key_or_group, value, merge=True)
+                    except OmegaConfBaseException as e:
+                        raise ValueError(_one_line(e, typed)) from None
+
+
+def options_of(group: str) -> list[str]:
+    """The presets of a config group: conf/<group>/*.yaml."""
+    return sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml"))
+
+
+def _default_choices() -> dict:
     choices = {}
     for item in OmegaConf.load(os.path.join(CONF_DIR, "config.yaml")).defaults:
         if OmegaConf.is_dict(item):
             choices.update(dict(item))
-    for o in parsed:
-        key = o.key_or_group
-        if key in GROUPS and not o.is_add() and not o.is_delete():
-            options = list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
-            for option in options:
-                if not os.path.exists(os.path.join(CONF_DIR, key, f"{option}.yaml")):
-                    known = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, key)) if f.endswith(".yaml"))
-                    raise ValueError(f"unknown {key} '{option}' (choose one of: {', '.join(known)})")
-            choices[key] = options
-    for o in parsed:
-        key = o.key_or_group
-        if o.is_add() or o.is_delete() or key in GROUPS or key.startswith("hydra"):
-            continue
-        head, _, rest = key.partition(".")
-        if head in ("algo", "task") and rest:
-            options = choices.get(head)
-            for option in options if isinstance(options, list) else [options]:
-                known = group_keys(head, option)
-                if rest.split(".")[0] not in known:
-                    raise ValueError(f"unknown config key '{key}' for {head}={option} (known: {', '.join(sorted(known))})")
-            continue
-        _check_path(Config, key.split("."), key)
+    return choices
 
 
-def group_keys(group: str, option: str) -> dict:
-    """What conf/<group>/<option>.yaml sets under `group`: a `# @package _global_` file (a task that also sets
-    rollout keys) nests it under the group's name."""
-    from omegaconf import OmegaConf
+def _preset_name(group: str, option: str) -> str:
+    """The rule or task a preset of `group` selects: the option of the schema it pulls in (defaults list)."""
+    preset = OmegaConf.load(os.path.join(CONF_DIR, group, f"{option}.yaml"))
+    for item in preset.get("defaults", []):
+        if OmegaConf.is_dict(item):
+            (key, value), = item.items()
+            if key == f"/schema/{group}@{group}":
+                return value
+    raise ValueError(f"conf/{group}/{option}.yaml must pull its schema: defaults: [/schema/{group}@{group}: <name>]")
 
-    with open(os.path.join(CONF_DIR, group, f"{option}.yaml")) as f:
-        text = f.read()
-    data = OmegaConf.to_container(OmegaConf.create(text))
-    return data.get(group, {}) if text.startswith("# @package _global_") else data
 
-
-def _check_path(cls, parts, key):
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    if parts[0] not in names:
-        raise ValueError(f"unknown config key '{key}' (known here: {', '.join(sorted(names))})")
-    kind = get_type_hints(cls)[parts[0]]
-    if len(parts) > 1:
-        if not dataclasses.is_dataclass(kind):
-            raise ValueError(f"unknown config key '{key}': '{parts[0]}' has no sub-keys")
-        _check_path(kind, parts[1:], key)
+def _values(o) -> list:
+    """An override's value, or each value of a sweep (`a=1,2`); a sweep Hydra expands otherwise is not checked."""
+    if not o.is_sweep_override():
+        return [o.value()]
+    try:
+        return list(o.sweep_iterator())
+    except Exception:
+        return []

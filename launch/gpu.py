@@ -66,7 +66,7 @@ class GPUPlan:
         return SGLangSpec(self.layout.tp_size, self.layout.base_gpu_id(worker), self.layout.mem_fraction_static,
                           max_batch, dtype, self.engine_backend)
 
-    def evals(self):
+    def evaluator(self, max_len: int, dtype: str):
         """Evaluation on the engines: rank 0 asks each rollout worker for its shard of the test split."""
         from evaluate import EvalChannel
 

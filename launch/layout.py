@@ -69,7 +69,8 @@ def plan_layout(num_gpus: int, gen_gpus: int = 0, train_gpus: int = 0, tp_size: 
     if num_gpus < 1:
         raise ValueError("no CUDA GPU is visible; use cluster=cpu, or check CUDA_VISIBLE_DEVICES")
     if gen_gpus < 0 or train_gpus < 0 or tp_size < 0:
-        raise ValueError(f"GPU counts must be >= 0 (got gen_gpus={gen_gpus}, train_gpus={train_gpus}, tp_size={tp_size})")
+        raise ValueError(f"GPU counts must be >= 0 "
+                         f"(got gen_gpus={gen_gpus}, train_gpus={train_gpus}, tp_size={tp_size})")
     if not 0 <= mem_fraction < 1:
         raise ValueError(f"cluster.mem_fraction_static must be in (0, 1) (0: the default), got {mem_fraction}")
     if num_gpus == 1:
@@ -126,7 +127,8 @@ def _check_trainer_fits(model_bytes: int, gpu_bytes: int, ranks: int, share: flo
         return
     need = TRAIN_BYTES_PER_MODEL_BYTE * model_bytes / ranks
     if need > 0.8 * share * gpu_bytes:
-        raise ValueError(f"training state of {need / 2**30:.1f} GiB per rank does not fit {share * gpu_bytes / 2**30:.1f} "
+        raise ValueError(f"training state of {need / 2**30:.1f} GiB per rank "
+                         f"does not fit {share * gpu_bytes / 2**30:.1f} "
                          f"GiB of GPU memory; give training more GPUs (cluster.train_gpus)")
 
 

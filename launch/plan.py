@@ -1,13 +1,15 @@
 """The device plan: where generation and training run, and the pieces each plan gives the launcher.
 
-A plan object (`CPUPlan` here, launch/gpu.py's `GPUPlan`) tells train.py how many rollout workers and trainer
-ranks to start, what weight path joins them (`weights`), how each worker builds its engine (`engine`) and
-where each trainer rank runs (`placement`); train.py's loops and the processes' loops are the same for both.
+A plan (`Plan`: `CPUPlan` here, launch/gpu.py's `GPUPlan`) tells train.py how many rollout workers and trainer
+ranks to start, what weight path joins them (`weights`), how each worker builds its engine (`engine`), where
+each trainer rank runs (`placement`) and how rank 0 evaluates (`evaluator`); train.py's loops and the
+processes' loops are the same for both.
 """
 import importlib.util
 import os
 import socket
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from launch.layout import auto_plan
 
@@ -21,6 +23,33 @@ def device_plan(plan: str, num_gpus: int) -> str:
         raise ValueError(f"cluster.plan={plan} runs SGLang on the {num_gpus} CUDA GPU(s) here and it is not "
                          "installed: pip install -r requirements-gpu.txt (docs/gpu.md), or use cluster=cpu")
     return chosen
+
+
+@runtime_checkable
+class Plan(Protocol):
+    rollout_workers: int  # rollout processes, one engine each
+    trainer_ranks: int  # trainer processes, one Placement each
+    max_restarts: int  # a dead rollout worker is restarted this many times
+
+    def weights(self, meta_model):
+        """The weight path (engines.base.WeightPath) for this model's parameters, built before any spawn."""
+        ...
+
+    def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
+        """How rollout worker `worker` builds its engine (an engines.base.EngineSpec)."""
+        ...
+
+    def placement(self, rank: int):
+        """Where trainer rank `rank` runs (a trainer.policy.Placement)."""
+        ...
+
+    def evaluator(self, max_len: int, dtype: str):
+        """How rank 0 evaluates (an evaluate.Evaluator); max_len: the longest evaluation request."""
+        ...
+
+    def wait_for_engines(self, weights, sup) -> None:
+        """Block until the trainer ranks may start (after the engines have claimed their memory)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -45,9 +74,11 @@ class CPUPlan:
 
         return CPUPlacement()
 
-    def evals(self):
-        """Evaluation runs on rank 0's own CPU engine (evaluate.Evaluator): no channel to the workers."""
-        return None
+    def evaluator(self, max_len: int, dtype: str):
+        """Evaluation on a CPU engine of rank 0's own that follows the weight store."""
+        from evaluate import EngineEvaluator
+
+        return EngineEvaluator(self.engine(0, 64, max_len, dtype))
 
     def wait_for_engines(self, weights, sup) -> None:
         """CPU engines claim no memory that the trainers must leave them: the trainers start at once."""

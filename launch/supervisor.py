@@ -12,15 +12,16 @@ from multiprocessing.connection import wait
 import torch
 from setproctitle import setproctitle
 
+from buffer.shared import StopFlag
 from launch.memory import tree_pss_mb
 
 
-def _child_main(name, target, args, errors, threads):
+def _child_main(name, target, kwargs, errors, threads):
     _die_with_parent(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and tells us to stop
     torch.set_num_threads(threads)
     try:
-        target(*args)
+        target(**kwargs)
     except BaseException:
         errors.put((name, traceback.format_exc()))
         sys.exit(1)
@@ -41,20 +42,6 @@ def _die_with_parent(name: str):
         os._exit(1)
 
 
-class StopFlag:
-    """The launcher's "stop now" to every process: Event's `set`/`is_set` on one shared byte. An mp.Event takes
-    a lock on every `is_set`, and a worker killed inside it would hang everyone else's next call."""
-
-    def __init__(self):
-        self._flag = torch.zeros(1, dtype=torch.uint8).share_memory_()
-
-    def set(self) -> None:
-        self._flag[0] = 1
-
-    def is_set(self) -> bool:
-        return bool(self._flag[0])
-
-
 class Supervisor:
     def __init__(self):
         self.ctx = mp.get_context("spawn")
@@ -64,12 +51,12 @@ class Supervisor:
         self.essential: set[str] = set()  # processes whose clean exit means the run is done
         self.peak_mb = 0.0  # largest total memory of the launcher and all its processes, sampled every second
 
-    def start(self, name: str, target, args: tuple, threads: int, essential: bool = False) -> None:
-        """Start `target(*args)` in a new process; a name already used must belong to a dead process (a restart)."""
+    def start(self, name: str, target, kwargs: dict, threads: int, essential: bool = False) -> None:
+        """Start `target(**kwargs)` in a new process; a name already used must belong to a dead process (a restart)."""
         if name in self.procs:
             assert self.procs[name].exitcode is not None, f"{name} is still running"
             self.procs[name].join()
-        proc = self.ctx.Process(target=_child_main, args=(name, target, args, self.errors, threads), name=name)
+        proc = self.ctx.Process(target=_child_main, args=(name, target, kwargs, self.errors, threads), name=name)
         proc.start()
         self.procs[name] = proc
         if essential:

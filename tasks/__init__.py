@@ -20,6 +20,10 @@ class Task:
 _TASKS = {name: f"tasks.{name}" for name in ("arithmetic", "gsm8k", "math", "preference", "redteam")}
 
 
+def names() -> list[str]:
+    return sorted(_TASKS)
+
+
 def get(name: str):
     """The module of task `name` (it has `Config` and `build(cfg, seed) -> Task`)."""
     if name not in _TASKS:

@@ -25,7 +25,8 @@ class Config:
     def check(self):
         check_sizes(self)
         if not self.path:
-            raise ValueError("config key 'task.path' is required for task=preference (a .jsonl/.parquet file or folder)")
+            raise ValueError("config key 'task.path' is required for task=preference "
+                             "(a .jsonl/.parquet file or folder)")
         if not self.reward_model:
             raise ValueError("config key 'task.reward_model' is required for task=preference (a reward model path)")
 

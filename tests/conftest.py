@@ -6,11 +6,6 @@ import pytest
 import torch
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long end-to-end runs (deselect with -m 'not slow')")
-    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -7,25 +7,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import algos
+from launch.config import RolloutConfig, TrainConfig
 from tests.test_trainer import _groups
 from trainer.batch import pack
-from trainer.learner import Learner, LearnerSpec
+from trainer.learner import Learner, Rank
 from trainer.policy import full_state
 
 
-def _spec(model_dir, rank, world, port, algo="grpo", compile=False):
-    return LearnerSpec(
-        rank=rank, world_size=world, port=port, model_path=model_dir, run_dir="", steps=1, seed=0, max_staleness=0,
-        batch_groups=2, micro_groups=1, group_size=3, max_new_tokens=6, temperature=1.0, lr=1e-3,
-        weight_decay=0.0, grad_clip=100.0, autocast=False, algo=algo, algo_cfg=algos.get(algo).Config(),
-        checkpoint_every=0, progress=False, compile=compile)
+def _learner(model_dir, rank, world, port, algo="grpo", compile=False):
+    train = TrainConfig(batch_groups=2, micro_groups=1, lr=1e-3, grad_clip=100.0, autocast="none", compile=compile)
+    return Learner(rank=Rank(rank, world, port), model_path=model_dir, train=train, algo=algos.get(algo).Config(),
+                   rollout=RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0))
 
 
 def _one_step(rank, world, port, model_dir, out, algo="grpo", compile=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        learner = Learner(_spec(model_dir, rank, world, port, algo, compile))
+        learner = _learner(model_dir, rank, world, port, algo, compile)
         batch = pack(_groups())
         batch.behav_logprobs -= 0.1  # off-policy data, so the clip and ratio matter
         metrics = learner.step(batch, 1)

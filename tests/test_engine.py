@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from engines.cpu import CPUEngine, Request, SamplingParams, inverse_cdf, sample
+from engines.base import Request, SamplingParams
+from engines.cpu import CPUEngine, inverse_cdf, sample
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,10 @@ def test_stop_token_ends_with_stop_and_max_new_tokens_with_length(model):
 def test_same_seed_same_tokens(model):
     prompts = random_prompts([4, 9, 4])
     requests = [Request(i, p, SamplingParams(max_new_tokens=6, top_p=0.95)) for i, p in enumerate(prompts)]
-    run = lambda seed: [c.token_ids for c in CPUEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
+
+    def run(seed):
+        return [c.token_ids for c in CPUEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
+
     assert run(0) == run(0)
     assert run(0) != run(1)
 

@@ -8,12 +8,13 @@ import pytest
 from transformers import AutoTokenizer
 
 import tasks
-from engines.cpu import Completion
+from engines.base import Completion
 from evaluate import EvalChannel, EvalSpec, eval_metrics, eval_requests, eval_slot, evaluate
+from launch.config import EvalConfig, RewardConfig
 from rewards.pool import RewardPool
 
-SPEC = EvalSpec(k=3, temperature=1.0, max_new_tokens=4, max_examples=0, stop_ids=(2,), seed=0, reward_workers=0,
-                reward_timeout_s=5.0)
+SPEC = EvalSpec(EvalConfig(k=3, temperature=1.0), RewardConfig(workers=0), max_new_tokens=4, stop_ids=(2,), seed=0)
+K = SPEC.eval.k
 
 
 class AnswerEngine:
@@ -28,7 +29,7 @@ class AnswerEngine:
         self.seen += [r.request_id for r in requests]
         out = []
         for r in requests:
-            i, m = eval_slot(r.request_id, SPEC.k)
+            i, m = eval_slot(r.request_id, K)
             right = i % 3 == 0 if m == 0 else (i + m) % 4 == 0
             text = self.test[i].answer if right else "no idea"
             ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -43,8 +44,8 @@ def arithmetic():
 
 def test_eval_request_ids_are_negative_and_name_their_example_and_sample():
     requests = eval_requests({0: [5, 6], 4: [7]}, SPEC)
-    assert len(requests) == 2 * (SPEC.k + 1) and all(r.request_id < 0 for r in requests)
-    slots = [eval_slot(r.request_id, SPEC.k) for r in requests]
+    assert len(requests) == 2 * (K + 1) and all(r.request_id < 0 for r in requests)
+    slots = [eval_slot(r.request_id, K) for r in requests]
     assert slots == [(0, 0), (0, 1), (0, 2), (0, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
     assert [r.params.temperature for r in requests[:4]] == [0.0, 1.0, 1.0, 1.0]  # greedy first
     assert requests[4].prompt_ids == [7] and requests[4].params.max_new_tokens == SPEC.max_new_tokens
@@ -63,7 +64,7 @@ def test_evaluation_sharded_over_workers_equals_one_engine(tokenizer_dir, arithm
 
     channel, stop, engines = EvalChannel(3, mp.get_context("spawn")), threading.Event(), []
 
-    def worker(w):  # what rollout._generate does with a job, on its own engine
+    def worker(w):  # what a rollout worker's EngineEvaluation does with a job, on its own engine
         while (version := channel.job(w)) is None:
             time.sleep(0.01)
         shard = channel.shard(w, version, arithmetic, tokenizer, SPEC)
@@ -82,7 +83,7 @@ def test_evaluation_sharded_over_workers_equals_one_engine(tokenizer_dir, arithm
     for t in threads:
         t.join()
     # Each example went to exactly one worker, all k + 1 of its requests with it.
-    examples = [sorted({eval_slot(i, SPEC.k)[0] for i in engine.seen}) for engine in engines]
+    examples = [sorted({eval_slot(i, K)[0] for i in engine.seen}) for engine in engines]
     assert sorted(i for shard in examples for i in shard) == list(range(11))
     channel.close()
 

@@ -8,7 +8,6 @@ import torch
 from launch.layout import auto_plan, plan_layout
 from tests.gpu_fakes import tiny_lm
 
-
 # ---- layout ----
 
 @pytest.mark.parametrize("gpus, gen, train", [(1, (0,), (0,)), (2, (0,), (1,)), (4, (0, 1), (2, 3)),

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engines.cpu import Request, SamplingParams
+from engines.base import Request, SamplingParams
 from launch.layout import plan_layout
 from launch.plan import free_port
 from tests.gpu_fakes import FakeSGLang, bytes_payloads, tiny_lm
@@ -27,16 +27,13 @@ from trainer.policy import TokenLogprobs
 
 
 def _composed(*overrides):
-    """The typed config train.py would build from these overrides."""
-    from hydra import compose, initialize_config_dir
+    """The typed config train.py would build from these overrides, and its resolved dict."""
     from omegaconf import OmegaConf
 
-    import train
-    from launch.config import CONF_DIR
+    from launch.config import compose, parse
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        raw = compose("config", overrides=list(overrides))
-    return (*train._parse(raw), OmegaConf.to_container(raw, resolve=True))
+    raw = compose(list(overrides))
+    return parse(raw), OmegaConf.to_container(raw, resolve=True)
 
 
 def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
@@ -50,14 +47,14 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     from launch.gpu import GPUPlan
     from tests.helpers import TINY
 
-    cfg, algo_cfg, task_cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3",
+    cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3",
                                                 "eval.max_examples=2", "progress=false", "train.lr=1e-2",
                                                 "task.reward=tests.toy_rewards:length_parity", *TINY)
     plan = GPUPlan(plan_layout(1), bucket_mb=1, checkpointing=True, device_type="cpu",
                    engine_backend=functools.partial(FakeSGLang, str(tmp_path)), serialize=bytes_payloads)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert train.run(cfg, algo_cfg, task_cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
+    assert train.run(cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
 
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 2
@@ -148,10 +145,10 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
     placement, the weight path's two ends): train -> publish over CUDA IPC -> generation in flight is
     interrupted and resumed -> the tokens sampled under the new version have the trainer's logprobs."""
     pytest.importorskip("sglang")
+    from buffer.shared import StopFlag
     from launch.gpu import GPUPlan
-    from launch.supervisor import StopFlag
     from models.loader import resolve
-    from rollout import _to_group
+    from rollout import to_group
     from trainer.gpu_policy import load_lm
 
     model_path = resolve("smollm2-135m")
@@ -187,7 +184,7 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
                 while len(done) < len(requests):
                     done += engine.step()
                 done.sort(key=lambda c: c.request_id)
-                batch = pack([_to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]], g, g, 0)
+                batch = pack([to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]], g, g, 0)
                               for g in (0, 4)])
                 assert set(batch.versions[batch.mask.bool()].tolist()) <= {step - 1, step}
                 with torch.no_grad():

@@ -7,8 +7,10 @@ from launch.memory import tree_pss_mb
 
 def test_tree_memory_counts_children():
     # a child that holds 200 MB of touched memory raises the tree's total by about that much
-    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
-                              "print('ready', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == b"ready"
         alone = tree_pss_mb(child.pid)

@@ -8,17 +8,15 @@ import pytest
 from omegaconf import OmegaConf
 
 import plot
+from launch.config import compose
 from tests.helpers import ROOT
 
 STEPS = 8
 
 
 def _config(**changes) -> dict:
-    """The resolved config as train.py writes it: conf/config.yaml with the groups filled in, no hydra key."""
-    cfg = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "conf", "config.yaml")))
-    del cfg["defaults"], cfg["hydra"]
-    for group, choice in (("algo", "tb"), ("task", "arithmetic"), ("model", "smollm2-135m"), ("cluster", "auto")):
-        cfg[group] = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "conf", group, f"{choice}.yaml")))
+    """The resolved config as train.py writes it (the default composition, no hydra key), with `changes`."""
+    cfg = OmegaConf.to_container(compose([]), resolve=True)
     for key, value in changes.items():
         node = cfg
         *parents, leaf = key.split(".")

@@ -205,7 +205,7 @@ def test_expire_fresh_drops_only_old_groups_and_keeps_their_history():
     new = make_group(1, [[4], [5, 6]], versions=[3, 3], group_id=2)
     buf.add(old, 3)
     buf.add(new, 3)
-    assert buf.expire_fresh(version=3, max_age=2) == 1
+    assert buf.expire_fresh(version=3, max_staleness=2) == 1
     assert len(buf) == 1
     assert buf.sample(1, 3)[0].group_id == 2
     assert buf.ready(1)  # the expired group's completions can still be replayed
@@ -217,7 +217,8 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
 
     def fill(buf):
         for i in range(6):
-            buf.add(make_group(i % 3, [[i, j] for j in range(4)], rewards=[float(j % 2) for j in range(4)], group_id=i), i)
+            buf.add(make_group(i % 3, [[i, j] for j in range(4)], rewards=[float(j % 2) for j in range(4)],
+                               group_id=i), i)
 
     a = ReplayBuffer("tba", recent_prob=0.3, seed=5)
     fill(a)

@@ -2,10 +2,8 @@
 same seed gives the same metrics, a crash mid-write keeps the previous checkpoint, `keep` prunes."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 from helpers import TINY, run_train, train_cmd
 

@@ -157,12 +157,14 @@ def test_reclaim_after_a_producer_is_killed_mid_write():
     for i in range(ring.lane_slots):  # a restarted worker 1 gets its whole lane back
         assert ring.put(make_group(20_000 + i, 1), timeout=1)
     assert ring.put(make_group(20_000 + ring.lane_slots, 1), timeout=0.1) is False
-    assert [ring.get(timeout=1).group_id for _ in range(ring.lane_slots)] == [20_000 + i for i in range(ring.lane_slots)]
+    assert ([ring.get(timeout=1).group_id for _ in range(ring.lane_slots)]
+            == [20_000 + i for i in range(ring.lane_slots)])
 
 
 def test_reclaim_repairs_every_step_a_producer_can_die_between():
     """Worker 3's lane after each way of dying (a process dies once; reclaim repairs them all at once)."""
-    ring = TrajectoryRing(num_slots=16, group_size=K, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, num_producers=4)
+    ring = TrajectoryRing(num_slots=16, group_size=K, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                          num_producers=4)
     assert ring.lane_slots == 4
     assert ring.put(make_group(30_000, 3), timeout=1)
     assert ring._ready.acquire(timeout=1)  # died after marking slot 0 READY, before counting it
@@ -177,7 +179,8 @@ def test_reclaim_repairs_every_step_a_producer_can_die_between():
         assert ring.put(make_group(30_002 + i, 3), timeout=1)
     assert ring.put(make_group(30_009, 3), timeout=0.1) is False
     assert ring.reclaim(3) == 0  # nothing was being written: reclaiming a healthy lane changes nothing
-    assert [ring.get(timeout=1).group_id for _ in range(ring.lane_slots)] == [30_002 + i for i in range(ring.lane_slots)]
+    assert ([ring.get(timeout=1).group_id for _ in range(ring.lane_slots)]
+            == [30_002 + i for i in range(ring.lane_slots)])
     assert ring.get(timeout=0.1) is None
 
 

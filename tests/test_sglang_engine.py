@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engines.cpu import Request, SamplingParams
+from engines.base import Request, SamplingParams
 from engines.sglang import Partial, SGLangEngine, sampling_params
 from engines.weight_sync import BucketMessage
 from tests.gpu_fakes import FakeBackend, FakeChannel

@@ -142,3 +142,29 @@ def test_a_worker_killed_anywhere_cannot_wedge_the_gate():
     assert gate.recover() is True
     gate.set_version(2)
     assert gate.try_start() and gate.recover() is False
+
+
+# ---- the rule itself: lag, too old, and the ring's lane size ----
+
+def _group_with_versions(versions: list[int]):
+    from tests.test_replay import make_group
+
+    return make_group(0, [[5, 6]] * len(versions), versions=versions)
+
+
+def test_lag_is_counted_from_the_oldest_token():
+    from buffer.staleness import lag, too_old
+
+    group = _group_with_versions([4, 2, 3])
+    assert lag(group, 5) == 3 and lag(group, 2) == 0
+    assert not too_old(group, 5, max_staleness=3) and too_old(group, 5, max_staleness=2)
+    assert not too_old(group, 2, max_staleness=0)
+
+
+def test_a_lane_holds_every_group_the_gate_lets_one_worker_start():
+    from buffer.staleness import lane_slots, started_limit
+
+    for eta, b in [(0, 1), (0, 8), (2, 8), (4, 3)]:
+        gate = StalenessGate(batch_groups=b, max_staleness=eta)
+        assert starts_until_refused(gate) == started_limit(0, eta, b) == (eta + 1) * b
+        assert lane_slots(eta, b) == starts_until_refused(StalenessGate(b, eta)) + 1  # plus the one being written

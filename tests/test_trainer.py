@@ -17,7 +17,8 @@ def _groups(k=3, seed=0):
             ids[i, : lens[i]] = torch.randint(3, 1000, (int(lens[i]),), generator=g)
         groups.append(Group(
             prompt_ids=torch.randint(3, 1000, (p,), generator=g), completion_ids=ids, completion_lens=lens,
-            logprobs=torch.zeros(k, 6), versions=torch.zeros(k, 6, dtype=torch.long), rewards=torch.rand(k, generator=g),
+            logprobs=torch.zeros(k, 6), versions=torch.zeros(k, 6, dtype=torch.long),
+            rewards=torch.rand(k, generator=g),
             truncated=torch.zeros(k, dtype=torch.bool), prompt_index=index, group_id=index, worker_id=0))
     return groups
 
@@ -98,17 +99,16 @@ def test_every_rank_makes_the_same_number_of_passes():
 def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
     """The losses normalise by batch totals, so how the batch is cut into passes does not change the step."""
     import algos
-    from trainer.learner import Learner, LearnerSpec
+    from launch.config import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
 
     batch = pack(_groups())
     weights = []
     for micro_tokens in (0, 1):  # one pass; then one group per pass
-        spec = LearnerSpec(rank=0, world_size=1, port=0, model_path=tiny_model_dir, run_dir="", steps=1, seed=0,
-                           max_staleness=0, batch_groups=2, micro_groups=8, micro_tokens=micro_tokens, group_size=3,
-                           max_new_tokens=6, temperature=1.0, lr=1e-2, weight_decay=0.0, grad_clip=100.0,
-                           autocast=False, algo="grpo", algo_cfg=algos.get("grpo").Config(), checkpoint_every=0,
-                           progress=False)
-        learner = Learner(spec)
+        train = TrainConfig(batch_groups=2, micro_groups=8, micro_tokens=micro_tokens, lr=1e-2, grad_clip=100.0,
+                            autocast="none")
+        learner = Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
+                          rollout=RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0))
         learner.step(batch, 1)
         weights.append({n: p.detach().clone() for n, p in learner.policy.named_parameters()})
     rows = (batch.segments != PAD).sum(1).tolist()

@@ -9,13 +9,20 @@ import torch
 import torch.distributed as dist
 
 from engines.sglang import SGLangEngine
-from engines.weight_sync import (Publisher, WeightChannel, engine_name, engine_weights, plan_buckets, send_buckets,
-                                 unpack, weight_specs)
+from engines.weight_sync import (
+    Publisher,
+    WeightChannel,
+    engine_name,
+    engine_weights,
+    plan_buckets,
+    send_buckets,
+    unpack,
+    weight_specs,
+)
 from launch.plan import free_port
 from tests.gpu_fakes import FakeBackend, bytes_payloads, tiny_lm
 from trainer.gpu_policy import shard_gpu
 from trainer.policy import TokenLogprobs, shard
-
 
 # ---- names ----
 
@@ -126,7 +133,7 @@ def test_publisher_ships_every_bucket_to_every_engine():
 def test_publisher_stops_shipping_once_stop_is_set():
     """A run shutting down mid-publish: rank 0 still walks every weight (the other ranks' gathers must end)
     but sends nothing and waits for no engine."""
-    from launch.supervisor import StopFlag
+    from buffer.shared import StopFlag
 
     lm = tiny_lm(tied=False)
     channel, stop, walked = WeightChannel(1, multiprocessing.get_context("spawn")), StopFlag(), []

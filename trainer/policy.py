@@ -1,5 +1,6 @@
 """The trained model: per-token log-probabilities of packed completions, sharded with FSDP2."""
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,22 @@ COLLECTIVE_TIMEOUT = timedelta(hours=4)
 def init_gloo(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """Where a trainer rank runs and how its model is held: `CPUPlacement` (below) on the CPU plan,
+    trainer/gpu_policy.py's `GPUPlacement` on the GPU plan. The plan hands one to each rank."""
+    device: torch.device
+
+    def init_process_group(self, rank: int, world_size: int, port: int) -> None:
+        """Join the trainer ranks' process group (gloo or NCCL)."""
+        ...
+
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> TokenLogprobs:
+        """The policy (or, frozen, the reference policy) from a Hugging Face folder, on `device`, sharded as this
+        placement shards: its forward takes a packed batch and gives per-token logprobs [G*K, T]."""
+        ...
 
 
 class CPUPlacement:

@@ -1,0 +1,90 @@
+"""What the launcher shares with every rollout worker and trainer rank, made before the first spawn.
+
+    shared = Shared(ring, gate, weights, WorkerCounters(workers), StopFlag())
+    rollout worker:  shared.gate.try_start(); shared.ring.put(group); shared.counters.add(w, "groups")
+    trainer rank 0:  shared.ring.get(); shared.gate.set_version(v); shared.counters.total("tokens")
+    launcher:        shared.reclaim(w) after worker w died; shared.stop.set() to end the run
+
+Everything in it is shared memory or a handle to it, so it crosses `spawn` as one argument. Nothing here can
+be held by a process that dies: the counters and the stop flag are plain shared tensors without locks.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from buffer.ring import TrajectoryRing
+from buffer.staleness import StalenessGate
+
+
+class StopFlag:
+    """The launcher's "stop now" to every process: Event's `set`/`is_set` on one shared byte. An mp.Event takes
+    a lock on every `is_set`, and a worker killed inside it would hang everyone else's next call."""
+
+    def __init__(self):
+        self._flag = torch.zeros(1, dtype=torch.uint8).share_memory_()
+
+    def set(self) -> None:
+        self._flag[0] = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag[0])
+
+
+class WorkerCounters:
+    """Per rollout worker, counts that only grow (but for the restart bookkeeping): written by the worker, read
+    by trainer rank 0 for its metrics and by the launcher when a worker dies."""
+    NAMES = (
+        "tokens",  # tokens generated
+        "groups",  # groups delivered into the ring
+        "started",  # groups started (allowed by the gate)
+        "next_group",  # index of the next group of this worker: where a replacement starts
+        "reward_timeouts",  # verifier calls killed for running past reward.timeout_s
+        "reward_errors",  # verifier calls that raised
+        "restarts",  # times the launcher restarted this worker
+        "lost_groups",  # groups started but never delivered by a worker that died
+        "prompts_truncated",  # prompts over rollout.max_prompt_len, cut
+        "prompts_skipped",  # prompts over rollout.max_prompt_len, skipped
+    )
+
+    def __init__(self, workers: int):
+        self._table = torch.zeros(workers, len(self.NAMES), dtype=torch.long).share_memory_()
+        self._column = {name: i for i, name in enumerate(self.NAMES)}
+
+    def __len__(self) -> int:
+        return self._table.shape[0]
+
+    def get(self, worker: int, name: str) -> int:
+        return int(self._table[worker, self._column[name]])
+
+    def set(self, worker: int, name: str, value: int) -> None:
+        self._table[worker, self._column[name]] = value
+
+    def add(self, worker: int, name: str, n: int = 1) -> None:
+        self._table[worker, self._column[name]] += n
+
+    def total(self, name: str) -> int:
+        """Summed over the workers."""
+        return int(self._table[:, self._column[name]].sum())
+
+
+@dataclass(frozen=True)
+class Shared:
+    ring: TrajectoryRing  # finished groups, worker -> trainer rank 0
+    gate: StalenessGate  # how many groups may be started (max_staleness)
+    weights: object  # the plan's weight path (engines.base.WeightPath), trainer -> engines
+    counters: WorkerCounters
+    stop: StopFlag
+
+    def reclaim(self, worker: int) -> int:
+        """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered are
+        dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none
+        twice). Returns how many were dropped; a replacement starts at the worker's `next_group`."""
+        self.ring.reclaim(worker)
+        self.gate.recover()
+        lost = self.counters.get(worker, "started") - self.counters.get(worker, "groups")
+        if lost > 0:
+            self.gate.cancel(lost)
+        self.counters.set(worker, "started", self.counters.get(worker, "groups"))
+        self.counters.add(worker, "lost_groups", max(lost, 0))
+        self.counters.add(worker, "restarts")
+        return lost

@@ -1,0 +1,105 @@
+"""What every generation engine speaks, whatever it runs on: requests in, completions out, weights between steps.
+
+The vocabulary (`SamplingParams`, `Request`, `Completion`) and the two roles an engine plays are written here,
+so that the rollout worker, the evaluation and the launcher depend on this file and never on one engine:
+
+- `Engine`: the built-in engine (`engines/cpu.py`) and the SGLang adapter (`engines/sglang.py`).
+- `EngineSpec`: how a rollout process builds its engine (`CPUEngineSpec`, `SGLangSpec`).
+- `WeightPath`: the trainer's weights to the engines after every step (`engines/weights.py` `WeightStore` in
+  shared memory; `engines/weight_sync.py` `GPUWeights` over CUDA IPC or NCCL).
+
+`tests/test_contracts.py` runs every implementation through the same checks.
+"""
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept; 1 keeps the full vocabulary
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Completion:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, the stop token included when one was sampled
+    logprobs: list[float]  # log softmax(logits / T) over the full vocabulary at each sampled token
+    versions: list[int]  # engine.version when each token was sampled
+    finish_reason: str  # "stop" | "length"
+
+
+def check_request(request: Request, max_len: int | None = None) -> None:
+    """The promises every engine asks of a request, as one-line ValueErrors."""
+    n_prompt, params = len(request.prompt_ids), request.params
+    if n_prompt == 0:
+        raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if max_len is not None and n_prompt + params.max_new_tokens > max_len:
+        raise ValueError(f"request {request.request_id}: prompt {n_prompt} + max_new_tokens "
+                         f"{params.max_new_tokens} > max_len {max_len}; raise max_len or shorten it")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Continuous batching: `add` requests, call `step` (admit, decode) and collect what finishes. Every token
+    records `version`, the policy version of the weights that sampled it; `set_version` changes it between
+    two steps, when new weights have been loaded, and sequences in flight continue under them."""
+    version: int
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> list[Completion]: ...
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run `requests` to completion on an idle engine; completions in the order of the requests."""
+        ...
+
+    def set_version(self, version: int) -> None: ...
+
+    def num_running(self) -> int: ...
+
+    def num_waiting(self) -> int: ...
+
+    def free_slots(self) -> int:
+        """Sequences that could start decoding now."""
+        ...
+
+
+@runtime_checkable
+class EngineSpec(Protocol):
+    """How a rollout process builds its engine: picklable, so it crosses the spawn; the engine itself does not."""
+
+    def open(self, weights_path: str, seed: int) -> AbstractContextManager[Engine]:
+        """The engine with these weights; closing the context frees it (and any process it started)."""
+        ...
+
+
+@runtime_checkable
+class WeightPath(Protocol):
+    """From the trainer ranks to every engine, once per optimizer step. Built by the launcher before the first
+    spawn and handed to every process; a trainer rank takes the publisher end, a rollout worker the follower."""
+
+    def publisher(self, policy, lead: bool, stop) -> Callable[[Iterable, int], None]:
+        """`publish(named_tensors, version)`: every rank calls it with the full weights (gathering them is a
+        collective); the lead rank ships them. Returns once the engines can load that version."""
+        ...
+
+    def follower(self, engine: Engine, index: int) -> Callable[[], list[Completion]]:
+        """`sync()`, called by engine `index`'s worker between steps: loads a newer version if there is one,
+        never half of one, and sets the engine's version. Returns requests that finished meanwhile."""
+        ...

@@ -1,0 +1,147 @@
+"""The config: one schema (launch/config.py and each rule's and task's Config), presets that only change it, and
+one-line errors naming the key, checked here without starting a run (tests/test_train_e2e.py runs train.py)."""
+import dataclasses
+import inspect
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+import algos
+import tasks
+from launch.config import (
+    CONF_DIR,
+    GROUPS,
+    ClusterConfig,
+    Config,
+    RolloutConfig,
+    TrainConfig,
+    check_overrides,
+    compose,
+    options_of,
+    parse,
+)
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)]
+
+
+def _schema_classes():
+    classes = [Config] + [f.default_factory for f in dataclasses.fields(Config)
+                          if dataclasses.is_dataclass(f.default_factory)]
+    classes += [algos.get(name).Config for name in algos.names()] + [tasks.get(name).Config for name in tasks.names()]
+    return classes
+
+
+@pytest.mark.parametrize("cls", _schema_classes(), ids=lambda c: f"{c.__module__}.{c.__qualname__}")
+def test_every_schema_key_has_a_default_and_a_comment(cls):
+    source = inspect.getsource(cls).splitlines()
+    for f in dataclasses.fields(cls):
+        if f.name == "name" or dataclasses.is_dataclass(f.default_factory):  # an identity; a section (its own class)
+            continue
+        assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING \
+            or f.name in ("algo", "task"), f"{cls.__qualname__}.{f.name} has no default"
+        index = next(i for i, line in enumerate(source) if line.strip().startswith(f"{f.name}:"))
+        commented = "#" in source[index] or source[index - 1].strip().startswith("#")
+        assert commented, f"{cls.__qualname__}.{f.name} has no comment"
+
+
+def _leaves(data, prefix=""):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options_of(g)])
+def test_a_preset_sets_only_what_differs_from_the_schema(group, option):
+    """conf/<group>/<option>.yaml: Hydra's _global_ package (one convention for every group), the schema of its
+    rule or task pulled in, and no value that repeats the schema's default."""
+    path = os.path.join(CONF_DIR, group, f"{option}.yaml")
+    with open(path) as f:
+        assert f.readline().strip() == "# @package _global_", path
+    preset = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    defaults = preset.pop("defaults", [])
+    if group in ("algo", "task"):
+        assert defaults == [{f"/schema/{group}@{group}": option}], path
+    else:
+        assert defaults == [], path
+    base = OmegaConf.create(OmegaConf.to_container(compose([]), resolve=True))
+    chosen = OmegaConf.create(OmegaConf.to_container(compose([f"{group}={option}"]), resolve=True))
+    for key, value in _leaves(preset):
+        assert OmegaConf.select(chosen, key) == value, (path, key)  # it is applied
+        section, _, rest = key.partition(".")
+        if section == group and group in ("algo", "task"):  # the rule's or task's own defaults
+            default = getattr((algos if group == "algo" else tasks).get(option).Config(), rest)
+        else:
+            default = OmegaConf.select(base, key)
+        assert value != default, f"{path}: {key}={value!r} repeats the schema's default"
+
+
+def test_every_rule_and_task_has_a_preset_and_back():
+    assert options_of("algo") == algos.names()
+    assert options_of("task") == tasks.names()
+
+
+def test_the_composed_default_is_the_schema():
+    cfg = parse(compose([]))
+    assert cfg.algo == algos.get("tb").Config() and cfg.task == tasks.get("arithmetic").Config()
+    for name in SECTIONS:
+        assert getattr(cfg, name) == getattr(Config(), name), name
+    assert (cfg.steps, cfg.seed, cfg.max_staleness) == (Config.steps, Config.seed, Config.max_staleness)
+
+
+def test_presets_and_the_command_line_compose_in_order():
+    cfg = parse(compose(["cluster=cpu2", "task=gsm8k", "algo=grpo", "algo.clip_eps_high=0.28",
+                         "rollout.max_new_tokens=64"]))
+    assert cfg.cluster == ClusterConfig(plan="cpu", trainer_ranks=2, oversubscribe=True)
+    assert cfg.algo == algos.get("grpo").Config(clip_eps_high=0.28)
+    assert cfg.task == tasks.get("gsm8k").Config()
+    assert cfg.rollout == RolloutConfig(max_new_tokens=64)  # the command line beats the task's 512
+    assert cfg.train == TrainConfig()
+
+
+TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
+    (["stepz=3"], "unknown config key 'stepz'"),
+    (["train.lrr=1"], "unknown config key 'train.lrr'"),
+    (["rollout.groupsize=4"], "unknown config key 'rollout.groupsize'"),
+    (["model.pth=x"], "unknown config key 'model.pth'"),
+    (["cluster.rollout_worker=2"], "unknown config key 'cluster.rollout_worker'"),
+    (["buffer.sampel=fifo"], "unknown config key 'buffer.sampel'"),
+    (["reward.timeout=1"], "unknown config key 'reward.timeout'"),
+    (["eval.evry=1"], "unknown config key 'eval.evry'"),
+    (["checkpoint.keeep=1"], "unknown config key 'checkpoint.keeep'"),
+    (["algo.beta=1"], "unknown config key 'algo.beta' for algo=tb"),
+    (["algo=grpo", "algo.beta_start=1"], "unknown config key 'algo.beta_start' for algo=grpo"),
+    (["-m", "algo=tb,grpo", "algo.clip_eps=0.1"], "unknown config key 'algo.clip_eps' for algo=tb"),
+    (["task.max_operands=3"], "unknown config key 'task.max_operands' for task=arithmetic"),
+    (["task=gsm8k", "task.pathh=x"], "unknown config key 'task.pathh' for task=gsm8k"),
+    (["train.lr=fast"], "config key 'train.lr' must be of type float (got 'fast')"),
+    (["-m", "max_staleness=0,1,two"], "config key 'max_staleness' must be of type int (got 'two')"),
+    (["cluster=gpu9"], "unknown cluster 'gpu9' (choose one of: auto, cpu, cpu2, gpu1, gpu8)"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", TYPOS, ids=[" ".join(o) for o, _ in TYPOS])
+def test_a_typo_anywhere_names_the_key_in_one_line(overrides, message):
+    with pytest.raises(ValueError) as error:
+        check_overrides(overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_good_overrides_pass_the_check():
+    check_overrides(["-m", "max_staleness=0,1,2", "algo=tb,ppo", "train.lr=1e-5", "train.lr=1", "task=gsm8k",
+                     "task.path=/x", "hydra.run.dir=/tmp/x", "resume=", "rollout.max_new_tokens=32"])
+
+
+def test_a_saved_config_is_checked_like_a_composed_one():
+    """`resume=` reads the run's config.yaml back through the same schema."""
+    saved = OmegaConf.to_container(compose(["algo=ppo"]), resolve=True)
+    assert parse(saved).algo == algos.get("ppo").Config()
+    saved["train"]["lrr"] = 1.0
+    with pytest.raises(ValueError, match=r"^unknown config key 'train.lrr' \(known: autocast, batch_groups"):
+        parse(saved)
+    saved["train"].pop("lrr")
+    saved["train"]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"^config key 'train.lr' must be > 0 \(got -1.0\)$"):
+        parse(saved)
