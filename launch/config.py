@@ -91,6 +91,7 @@ class TrainConfig:
     lr: float = 2e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
+    max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
     autocast: str = "bfloat16"  # bfloat16 | none: mixed precision of the forward/backward (weights stay fp32)
     # torch.compile the decoder stack: about 1.5x faster bf16 steps on the CPU after a compile of one to three
     # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
@@ -103,6 +104,7 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         _require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)
+        _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", self.max_bad_steps)
         _require(self.autocast in ("bfloat16", "none"), "train.autocast", "must be bfloat16 or none", self.autocast)
 
 

@@ -1,4 +1,7 @@
 """The trainer's maths: shared-prompt packing equals K separate sequences, in values and gradients."""
+import math
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -117,3 +120,23 @@ def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
     assert any(not torch.equal(initial[n], weights[0]["lm." + n]) for n in initial)  # the step did something
     for name, p in weights[0].items():
         assert torch.allclose(p, weights[1][name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("max_bad_steps", [1, 2])
+def test_non_finite_steps_are_skipped_until_max_bad_steps_in_a_row(tiny_model_dir, max_bad_steps):
+    import algos
+    from launch.config import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                      train=TrainConfig(autocast="none", max_bad_steps=max_bad_steps),
+                      rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
+    poisoned = pack(_groups())
+    poisoned.rewards[0] = float("nan")
+    for step in range(1, max_bad_steps):
+        metrics = learner.step(poisoned, step)
+        assert metrics["train/skipped_steps"] == step and not math.isfinite(metrics["loss"])
+    with pytest.raises(RuntimeError, match=f"{max_bad_steps} steps in a row had a non-finite loss"):
+        learner.step(poisoned, max_bad_steps)
+    assert all(torch.equal(p, before[n]) for n, p in learner.policy.named_parameters())  # nothing was applied

@@ -13,7 +13,6 @@ from trainer.policy import CPUPlacement, Placement, full_state
 if TYPE_CHECKING:
     from launch.config import RolloutConfig, TrainConfig
 
-MAX_BAD_STEPS = 3  # non-finite steps in a row before the run stops
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -61,7 +60,7 @@ class Learner:
         else:
             self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
         self.optimizer.zero_grad(set_to_none=True)
-        if self.bad_in_row >= MAX_BAD_STEPS:
+        if self.bad_in_row >= self.train.max_bad_steps:
             raise RuntimeError(f"{self.bad_in_row} steps in a row had a non-finite loss or gradient; "
                                f"lower train.lr or check the rewards")
         return {"loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped,
