@@ -2,7 +2,7 @@
 
 Used by the learner every `eval.every` steps and at the end, and by `python train.py eval.only=true`. Rank 0
 asks an `Evaluator` for the metrics of the version it just published. On the CPU plan that is `EngineEvaluator`,
-a CPU engine of rank 0's own; on the GPU plan, where that would take hours for a big model, it is
+a built-in engine of rank 0's own; on the GPU plan, where that would take hours for a big model, it is
 `EvalChannel`: each rollout worker generates its shard of the test split on its engine (`EngineEvaluation`,
 polled by the worker's loop) and rank 0 merges the scores.
 """
@@ -54,7 +54,7 @@ def test_examples(task, spec: EvalSpec) -> list:
 
 
 def longest_request(task, tokenizer, spec: EvalSpec) -> int:
-    """Prompt + completion tokens of the longest evaluation request: a CPU engine's max_len."""
+    """Prompt + completion tokens of the longest evaluation request: a built-in engine's max_len."""
     prompts = (len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec))
     return max(prompts, default=0) + spec.max_new_tokens
 

@@ -149,17 +149,20 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
 def _plan(name: str, cfg, model_path: str):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
-    from launch.plan import CPUPlan
+    from launch.plan import CPUPlan, engine_kind
 
+    engine, notice = engine_kind(cfg.rollout.engine, name)
+    if notice:
+        print(notice, file=sys.stderr)
     if name == "cpu":
         return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts)
     import torch
 
     from launch.gpu import gpu_plan
 
-    plan = gpu_plan(cfg.cluster, cfg.train.batch_groups, _meta_model(model_path), torch.cuda.device_count(),
-                    torch.cuda.get_device_properties(0).total_memory)
-    print(f"gpu plan: {plan.layout.describe()}")
+    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups, _meta_model(model_path),
+                    torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory, engine=engine)
+    print(f"gpu plan: {plan.layout.describe()}; engine: {engine}")
     return plan
 
 
@@ -171,7 +174,7 @@ def _eval_spec(cfg, stop_ids: tuple):
 
 def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training.
-    It generates on the plan's first engine: a CPU engine, or SGLang on the GPU plan."""
+    It generates on the plan's first engine: a built-in engine, or SGLang on the GPU plan."""
     from transformers import AutoTokenizer
 
     import tasks

@@ -13,11 +13,11 @@ import torch
 
 from bench.common import load, matmul_peak_flops, task_prompts
 from engines.base import Request, SamplingParams
-from engines.cpu import CPUEngine
+from engines.builtin import BuiltinEngine
 
 
 def run_engine(model, prompts, new_tokens, eos, dtype) -> tuple[int, float]:
-    engine = CPUEngine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + new_tokens, seed=0,
+    engine = BuiltinEngine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + new_tokens, seed=0,
                        dtype=dtype)
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=(eos,))

@@ -3,8 +3,8 @@
 The vocabulary (`SamplingParams`, `Request`, `Completion`) and the two roles an engine plays are written here,
 so that the rollout worker, the evaluation and the launcher depend on this file and never on one engine:
 
-- `Engine`: the built-in engine (`engines/cpu.py`) and the SGLang adapter (`engines/sglang.py`).
-- `EngineSpec`: how a rollout process builds its engine (`CPUEngineSpec`, `SGLangSpec`).
+- `Engine`: the built-in engine (`engines/builtin.py`) and the SGLang adapter (`engines/sglang.py`).
+- `EngineSpec`: how a rollout process builds its engine (`BuiltinEngineSpec`, `SGLangSpec`).
 - `WeightPath`: the trainer's weights to the engines after every step (`engines/weights.py` `WeightStore` in
   shared memory; `engines/weight_sync.py` `GPUWeights` over CUDA IPC or NCCL).
 

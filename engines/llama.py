@@ -1,4 +1,4 @@
-"""The Llama forward pass (also Mistral and Qwen2) over a per-slot KV cache, for batched CPU decoding.
+"""The Llama forward pass (also Mistral and Qwen2) over a per-slot KV cache, for batched decoding on any device.
 
 Weights are copied out of the Hugging Face model into the engine's own tensors, with q/k/v and
 gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named row views of them,
@@ -16,11 +16,11 @@ def check_supported(model, max_len: int) -> None:
     """Refuse, in one line, any model whose math differs from what `Llama` computes."""
     name, config = type(model).__name__, model.config
     if name not in SUPPORTED:
-        raise ValueError(f"the CPU engine runs {', '.join(SUPPORTED)}, not {name}; pick a Llama-family model")
+        raise ValueError(f"the built-in engine runs {', '.join(SUPPORTED)}, not {name}; pick a Llama-family model")
     if config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
-        raise ValueError(f"the CPU engine needs a bias-free SiLU MLP, {name} has hidden_act={config.hidden_act}")
+        raise ValueError(f"the built-in engine needs a bias-free SiLU MLP, {name} has hidden_act={config.hidden_act}")
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        raise ValueError(f"the CPU engine has no sliding-window attention; {name} uses it (layer_types)")
+        raise ValueError(f"the built-in engine has no sliding-window attention; {name} uses it (layer_types)")
     window = getattr(config, "sliding_window", None)
     if name == "MistralForCausalLM" and window is not None and window < max_len:
         raise ValueError(f"sliding_window={window} < max_len={max_len}: lower max_len to at most {window}")
@@ -37,7 +37,7 @@ def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torc
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config)
     else:
-        raise ValueError(f"the CPU engine does not support rope_type={kind!r}")
+        raise ValueError(f"the built-in engine does not support rope_type={kind!r}")
     freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos() * scale, angles.sin() * scale
@@ -68,9 +68,10 @@ class Layer:
 
 
 class Llama:
-    def __init__(self, model, dtype: torch.dtype, max_len: int):
+    def __init__(self, model, dtype: torch.dtype, max_len: int, device: torch.device = torch.device("cpu")):
         check_supported(model, max_len)
         config = model.config
+        self.device = device
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps, self.dtype = config.rms_norm_eps, dtype
@@ -87,16 +88,16 @@ class Llama:
         self.norm = self._own(state, "model.norm.weight")
         self.layers = [self._load_layer(state, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
         cos, sin = rope_tables(config, self.head_dim, max_len)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
 
     def _own(self, state: dict, name: str) -> torch.Tensor:
         # A copy, never an alias: the HF parameters may belong to a trainer that keeps updating them.
-        tensor = state[name].to(self.dtype, copy=True)
+        tensor = state[name].to(self.device, self.dtype, copy=True)
         self.views[name] = tensor
         return tensor
 
     def _fuse(self, state: dict, names: list[str]) -> torch.Tensor:
-        fused = torch.cat([state[name].to(self.dtype) for name in names])
+        fused = torch.cat([state[name].to(self.device, self.dtype) for name in names])
         for name, view in zip(names, fused.split([state[name].shape[0] for name in names])):
             self.views[name] = view
         return fused
@@ -119,7 +120,8 @@ class Llama:
 
     def new_cache(self, max_batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., D] -> q [..., H, hd] and k [..., KV, hd], both rotated, and v [..., KV, hd]."""
@@ -163,7 +165,7 @@ class Llama:
         dense = int(slots[-1]) == n - 1
         x = self.embed[ids]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        visible = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, T]
+        visible = (torch.arange(length, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, T]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin)
             k_cache[i, slots, :, pos] = k

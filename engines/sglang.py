@@ -21,7 +21,7 @@ from engines.base import Completion, Request, SamplingParams, check_request
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
     """An engine-neutral SamplingParams in SGLang's names. SGLang's logprobs are log softmax(logits / T) over
-    the full vocabulary (before top-p), as the CPU engine's and the trainer's are."""
+    the full vocabulary (before top-p), as the built-in engine's and the trainer's are."""
     return {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True}
 
@@ -218,13 +218,17 @@ class SGLangBackend:
 
     def begin_update(self) -> None:
         # sglang 0.5.21 refuses update_weights_from_tensor/_distributed outside begin/end_weight_update;
-        # older versions have no sessions.
+        # older versions have no sessions. Both answer (success, message): a refusal stops the worker with it.
+        from engines.weight_sync import check_sglang
+
         if hasattr(self.engine, "begin_weight_update"):
-            self.engine.begin_weight_update()
+            check_sglang(self.engine.begin_weight_update(), "begin_weight_update")
 
     def end_update(self) -> None:
+        from engines.weight_sync import check_sglang
+
         if hasattr(self.engine, "end_weight_update"):
-            self.engine.end_weight_update()
+            check_sglang(self.engine.end_weight_update(), "end_weight_update")
 
     def load_ipc(self, payloads: list, flush_cache: bool) -> None:
         from engines.weight_sync import load_ipc

@@ -201,19 +201,29 @@ class GPUWeights:
     """The GPU plan's weight path, built by the launcher and handed to every process (as the CPU plan hands
     out its WeightStore): a rollout worker takes `follower`, a trainer rank `publisher`.
 
-    serialize: a bucket -> one payload per TP rank (None: CUDA IPC handles); the CPU tests pass plain bytes.
+    loader: what the engines are. "sglang": SGLang loads each bucket (CUDA IPC handles in its serialized format,
+    or an NCCL broadcast). "builtin": the built-in engine copies each bucket, sent as a tensor (CUDA IPC on a GPU,
+    shared memory on the CPU), into its own weights (`load_buckets`).
+    serialize: a bucket -> one payload per TP rank (None: the loader's own); the CPU tests pass plain bytes.
+    dtype: the engines' weights; the buckets carry the weights cast to it.
     """
 
     def __init__(self, channel: WeightChannel, engine_tp_sizes: list[int], mode: str = "ipc",
-                 bucket_bytes: int = 512 << 20, nccl_address: tuple[str, int] | None = None, serialize=None):
+                 bucket_bytes: int = 512 << 20, nccl_address: tuple[str, int] | None = None, serialize=None,
+                 loader: str = "sglang", dtype: torch.dtype = torch.bfloat16):
+        if loader not in ("sglang", "builtin"):
+            raise ValueError(f"weight loader must be sglang or builtin, got {loader!r}")
         self.channel, self.tp_sizes, self.mode, self.bucket_bytes = channel, list(engine_tp_sizes), mode, bucket_bytes
-        self.nccl_address, self.serialize = nccl_address, serialize
+        self.nccl_address, self.loader, self.dtype = nccl_address, loader, dtype
+        self.serialize = serialize or (tensor_payloads if loader == "builtin" else None)
         self.ready = torch.zeros(len(self.tp_sizes), dtype=torch.uint8).share_memory_()  # per engine: it is up
 
     def follower(self, engine, index: int) -> Callable[[], list]:
-        """Engine `index`'s end: `sync()` between steps loads a new version if rank 0 ships one (interrupting
-        and resubmitting the requests in flight); it returns the requests that finished meanwhile."""
+        """Engine `index`'s end: `sync()` between steps loads a new version if rank 0 ships one (SGLang interrupts
+        and resubmits the requests in flight); it returns the requests that finished meanwhile."""
         self.ready[index] = 1  # before the NCCL join, which waits for rank 0, which may wait for this flag
+        if self.loader == "builtin":
+            return lambda: load_buckets(engine, self.channel, index)
         if self.mode == "nccl":
             engine.join_weight_group(*self.nccl_address, 1 + sum(self.tp_sizes[:index]), 1 + sum(self.tp_sizes))
         return lambda: engine.sync_weights(self.channel, index)
@@ -225,8 +235,49 @@ class GPUWeights:
         """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights."""
         device = next(policy.parameters()).device
         return Publisher(policy.state_dict().items(), policy.lm.config.tie_word_embeddings, self.channel,
-                         self.tp_sizes, lead, device, self.bucket_bytes, self.mode,
+                         self.tp_sizes, lead, device, self.bucket_bytes, self.mode, dtype=self.dtype,
                          nccl_address=self.nccl_address, serialize=self.serialize, stop=stop).publish
+
+
+# ---- the built-in engine's end (torch only) ----
+
+def tensor_payloads(flat: torch.Tensor, slots: list[Slot], tp_size: int) -> list[torch.Tensor]:
+    """The bucket itself, for a built-in engine: the queue pickles a CUDA tensor as a CUDA IPC handle (torch's
+    reductions) and a CPU tensor as shared memory. Its bytes are in place before anyone maps them."""
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    return [flat] * tp_size
+
+
+def load_buckets(engine, channel: WeightChannel, index: int, timeout_s: float = 600.0) -> list:
+    """A built-in engine's `sync()`: if rank 0 has started shipping a version, copy every bucket of it into the
+    engine's weights, then adopt the version. The engine decodes nothing in between, so no token is sampled from
+    half of a version; sequences in flight keep their cache and continue under the new weights. Each bucket is
+    acked once copied (rank 0 then frees it). Returns no finished requests: nothing is interrupted."""
+    message = channel.receive(index)
+    if message is None:
+        return []
+    targets = engine.weight_tensors()
+    while True:
+        flat = message.payloads[0]
+        with torch.no_grad():
+            for name, tensor in unpack(flat, message.slots):
+                if name not in targets:
+                    raise RuntimeError(f"weight {name!r} is not one of the engine's; the trainer and the engine "
+                                       "hold different architectures")
+                targets[name].copy_(tensor)  # across GPUs too: the bucket may live on the trainer's GPU
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)  # copied before the ack lets rank 0 free the bucket
+        del flat
+        message.payloads = None  # this process's hold on the bucket's memory ends here
+        channel.ack(index, message.version, message.index)
+        if message.last:
+            break
+        message = channel.receive(index, timeout=timeout_s)
+        if message is None:
+            raise RuntimeError("the trainer stopped sending a weight version half-way")
+    engine.set_version(message.version)
+    return []
 
 
 # ---- the SGLang and NCCL calls (run only with CUDA and sglang installed) ----
@@ -250,7 +301,7 @@ def ipc_payloads(flat: torch.Tensor, slots: list[Slot], tp_size: int) -> list[by
 
 def load_ipc(engine, payloads: list[bytes], flush_cache: bool) -> None:
     """Engine side: load one IPC bucket (the engine copies it into its own parameters before returning)."""
-    _check(engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=flush_cache))
+    check_sglang(engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=flush_cache))
 
 
 def nccl_trainer_group(address: str, port: int, world_size: int, group_name: str):
@@ -263,7 +314,7 @@ def nccl_trainer_group(address: str, port: int, world_size: int, group_name: str
 
 def nccl_engine_join(engine, address: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
     """Engine side (blocks until rank 0 joins too, so call it while rank 0 calls `nccl_trainer_group`)."""
-    _check(engine.init_weights_update_group(address, port, rank_offset, world_size, group_name, backend="nccl"))
+    check_sglang(engine.init_weights_update_group(address, port, rank_offset, world_size, group_name, backend="nccl"))
 
 
 def nccl_broadcast(flat: torch.Tensor, group) -> None:
@@ -272,13 +323,18 @@ def nccl_broadcast(flat: torch.Tensor, group) -> None:
 
 def load_nccl(engine, slots: list[Slot], group_name: str, flush_cache: bool) -> None:
     """Engine side: receive the bucket rank 0 broadcasts and load it."""
-    _check(engine.update_weights_from_distributed(
+    check_sglang(engine.update_weights_from_distributed(
         [s.name for s in slots], [str(s.dtype).removeprefix("torch.") for s in slots],
         [list(s.shape) for s in slots], group_name=group_name, flush_cache=flush_cache,
         load_format="flattened_bucket"))
 
 
-def _check(result) -> None:
-    """SGLang's control calls answer (success, message)."""
+def check_sglang(result, call: str = "the weight update") -> None:
+    """SGLang's control calls answer (success, message) (some a dict or an object with those fields): a refusal
+    is an error that names the call and carries SGLang's message."""
+    if isinstance(result, dict):
+        result = (result.get("success", True), result.get("message", ""))
+    elif hasattr(result, "success"):
+        result = (result.success, getattr(result, "message", ""))
     if isinstance(result, tuple) and result and not result[0]:
-        raise RuntimeError(f"SGLang refused the weight update: {result[1] if len(result) > 1 else result}")
+        raise RuntimeError(f"SGLang refused {call}: {result[1] if len(result) > 1 else result}")

@@ -69,6 +69,9 @@ class RolloutConfig:
     max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
     long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
     dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls (bf16 decodes ~2x faster here)
+    # auto | builtin | sglang: the generation engine. auto: SGLang on the GPU plan when it is installed, else the
+    # built-in engine (engines/builtin.py, the CPU plan's, on CUDA); sglang needs the GPU plan
+    engine: str = "auto"
 
     def check(self):
         _require(self.group_size >= 2, "rollout.group_size", "must be >= 2", self.group_size)
@@ -81,6 +84,8 @@ class RolloutConfig:
         _require(self.max_prompt_len >= 0, "rollout.max_prompt_len", "must be >= 0 (0: no limit)", self.max_prompt_len)
         _require(self.long_prompts in ("skip", "truncate"), "rollout.long_prompts", "must be skip or truncate",
                  self.long_prompts)
+        _require(self.engine in ("auto", "builtin", "sglang"), "rollout.engine", "must be auto, builtin or sglang",
+                 self.engine)
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""The GPU plan: SGLang engines and FSDP2/NCCL trainer ranks where launch/layout.py puts them, weights from
-trainer rank 0 to every engine after each optimizer step (CUDA IPC, or NCCL). docs/gpu.md tells the whole story.
+"""The GPU plan: generation engines (SGLang, or the built-in engine on CUDA) and FSDP2/NCCL trainer ranks where
+launch/layout.py puts them, weights from trainer rank 0 to every engine after each optimizer step (CUDA IPC, or
+NCCL for SGLang). docs/gpu.md tells the whole story.
 
-    plan = gpu_plan(cfg.cluster, cfg.train.batch_groups, meta_model, torch.cuda.device_count(), gpu_bytes)
+    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups, meta_model, torch.cuda.device_count(),
+                    gpu_bytes, engine="builtin")
 
 train.py runs it exactly as it runs launch.plan.CPUPlan. Engines find their GPUs through SGLang's
 `base_gpu_id` with every GPU left visible (no per-process CUDA_VISIBLE_DEVICES): an engine that opens rank 0's
@@ -16,31 +18,48 @@ from launch.layout import Layout, plan_layout
 from launch.plan import free_port
 
 
-def gpu_plan(cluster, batch_groups: int, meta_model, num_gpus: int, gpu_bytes: int) -> "GPUPlan":
-    """The layout for these GPUs and this model; a one-line ValueError for what cannot work."""
+def gpu_plan(cluster, rollout, batch_groups: int, meta_model, num_gpus: int, gpu_bytes: int,
+             engine: str = "sglang") -> "GPUPlan":
+    """The layout for these GPUs and this model; a one-line ValueError for what cannot work. `rollout`: the
+    config's rollout section (its dtype is the engines'); `engine`: builtin or sglang (launch.plan.engine_kind)."""
     model_bytes = 2 * sum(p.numel() for p in meta_model.parameters())  # bf16, as the engines hold it
     kv_heads = getattr(meta_model.config, "num_key_value_heads", None) or 0
-    layout = plan_layout(num_gpus, cluster.gen_gpus, cluster.train_gpus, cluster.tp_size,
+    tp_size = cluster.tp_size if engine == "sglang" else 1
+    if engine == "builtin" and cluster.tp_size > 1:
+        raise ValueError(f"cluster.tp_size={cluster.tp_size}: the built-in engine runs on one GPU; use "
+                         "rollout.engine=sglang for tensor parallelism")
+    layout = plan_layout(num_gpus, cluster.gen_gpus, cluster.train_gpus, tp_size,
                          cluster.mem_fraction_static, model_bytes, gpu_bytes, kv_heads)
     if cluster.weight_sync == "nccl" and layout.time_shared:
         raise ValueError("cluster.weight_sync=nccl needs the engine and trainer rank 0 on different GPUs (NCCL "
                          "refuses two ranks on one GPU); use cluster.weight_sync=ipc on one GPU")
+    if cluster.weight_sync == "nccl" and engine == "builtin":
+        raise ValueError("cluster.weight_sync=nccl needs rollout.engine=sglang; the built-in engine loads its "
+                         "weights over CUDA IPC (cluster.weight_sync=ipc)")
     if batch_groups % layout.num_trainer_ranks:
         raise ValueError(f"config key 'train.batch_groups' must be divisible by the layout's "
                          f"{layout.num_trainer_ranks} trainer ranks (got {batch_groups})")
-    return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing)
+    return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing,
+                   engine_kind=engine, engine_dtype=rollout.dtype)
+
+
+# On one GPU the trainer rank may take what the engine leaves, less this headroom for CUDA's own needs (its
+# context, the engine's activations past its static share).
+SHARED_GPU_HEADROOM = 0.05
 
 
 @dataclass(frozen=True)
 class GPUPlan:
-    """One rollout worker per SGLang engine and one trainer rank per training GPU, as `layout` says."""
+    """One rollout worker per engine and one trainer rank per training GPU, as `layout` says."""
     layout: Layout
     weight_sync: str = "ipc"  # ipc | nccl
     bucket_mb: int = 512  # weight-sync bucket on trainer rank 0's GPU
     checkpointing: bool = False  # activation checkpointing in the trainer ranks
+    engine_kind: str = "sglang"  # sglang | builtin (engines/builtin.py on the engine's GPU)
+    engine_dtype: str = "bfloat16"  # the engines' weights, as the trainer ships them
     device_type: str = "cuda"  # "cpu": trainer ranks on gloo and the CPU, how the CPU tests run this plan
-    engine_backend: Callable | None = None  # builds each engine's backend (None: SGLang); the CPU tests pass a fake
-    serialize: Callable | None = None  # a weight bucket -> per-TP-rank payloads (None: CUDA IPC handles)
+    engine_backend: Callable | None = None  # builds each SGLang engine's backend (None: SGLang); the tests fake it
+    serialize: Callable | None = None  # a weight bucket -> per-TP-rank payloads (None: the engine kind's own)
     # A new engine could not pick up a weight version half-shipped to the one it replaces: no restarts yet.
     max_restarts: int = 0
 
@@ -53,14 +72,24 @@ class GPUPlan:
         return self.layout.num_trainer_ranks
 
     def weights(self, meta_model):
+        import torch
+
         from engines.weight_sync import GPUWeights, WeightChannel
 
         nccl = ("127.0.0.1", free_port()) if self.weight_sync == "nccl" else None
         return GPUWeights(WeightChannel(self.layout.num_engines, mp.get_context("spawn")),
                           [len(group) for group in self.layout.gen_groups], self.weight_sync, self.bucket_mb << 20,
-                          nccl, self.serialize)
+                          nccl, self.serialize, loader=self.engine_kind, dtype=getattr(torch, self.engine_dtype))
+
+    def engine_device(self, worker: int) -> str:
+        return f"cuda:{self.layout.base_gpu_id(worker)}" if self.device_type == "cuda" else "cpu"
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
+        if self.engine_kind == "builtin":
+            from engines.builtin import BuiltinEngineSpec
+
+            share = self.layout.mem_fraction_static if self.layout.time_shared and self.device_type == "cuda" else 0.0
+            return BuiltinEngineSpec(max_batch, max_len, dtype, self.engine_device(worker), memory_fraction=share)
         from engines.sglang import SGLangSpec
 
         return SGLangSpec(self.layout.tp_size, self.layout.base_gpu_id(worker), self.layout.mem_fraction_static,
@@ -73,12 +102,14 @@ class GPUPlan:
         return EvalChannel(self.layout.num_engines, mp.get_context("spawn"))
 
     def placement(self, rank: int):
+        """A trainer rank on its GPU; on a GPU shared with an engine, capped at what the engine leaves."""
         from trainer.gpu_policy import GPUPlacement
 
-        return GPUPlacement(self.layout.train_gpus[rank], self.checkpointing, self.device_type)
+        share = 1.0 - self.layout.mem_fraction_static - SHARED_GPU_HEADROOM if self.layout.time_shared else 0.0
+        return GPUPlacement(self.layout.train_gpus[rank], self.checkpointing, self.device_type, memory_fraction=share)
 
     def wait_for_engines(self, weights, sup) -> None:
-        """One GPU: SGLang sizes its KV cache from the memory free when it starts, so the trainer loads its
+        """One GPU: an engine sizes its KV cache from the memory free when it starts, so the trainer loads its
         model only once every engine is up (or a process has ended: the supervisor then says why)."""
         if not self.layout.time_shared:
             return

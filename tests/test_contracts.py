@@ -27,13 +27,13 @@ from trainer.batch import pack
 from trainer.gpu_policy import GPUPlacement
 from trainer.policy import CPUPlacement, Placement, TokenLogprobs
 
-# ---- Engine: engines/cpu.py CPUEngine, engines/sglang.py SGLangEngine ----
+# ---- Engine: engines/builtin.py BuiltinEngine, engines/sglang.py SGLangEngine ----
 
 
 def _cpu_engine(model_dir):
-    from engines.cpu import CPUEngine
+    from engines.builtin import BuiltinEngine
 
-    return CPUEngine(AutoModelForCausalLM.from_pretrained(model_dir), max_batch=8, max_len=64, seed=0)
+    return BuiltinEngine(AutoModelForCausalLM.from_pretrained(model_dir), max_batch=8, max_len=64, seed=0)
 
 
 def _sglang_engine(model_dir):
@@ -83,7 +83,7 @@ def test_engine_contract(make, tiny_model_dir):
 # ---- WeightPath: engines/weights.py WeightStore, engines/weight_sync.py GPUWeights ----
 
 def _weight_store(model_dir):
-    """The CPU plan's path, into a CPU engine; returns (path, engine, the engine's weights by name)."""
+    """The CPU plan's path, into a built-in engine; returns (path, engine, the engine's weights by name)."""
     from engines.weights import WeightStore
 
     engine = _cpu_engine(model_dir)
@@ -105,7 +105,19 @@ def _gpu_weights(model_dir):
     return path, engine, loaded
 
 
-WEIGHT_PATHS = {"shared_memory": _weight_store, "gpu_buckets": _gpu_weights}
+def _gpu_weights_into_builtin(model_dir):
+    """The GPU plan's path into a built-in engine: buckets as tensors (shared memory here, CUDA IPC on a GPU),
+    in the engine's dtype."""
+    from engines.weight_sync import GPUWeights, WeightChannel
+
+    engine = _cpu_engine(model_dir)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bucket_bytes=1 << 16, loader="builtin",
+                      dtype=torch.float32)
+    return path, engine, lambda: {n: t.float() for n, t in engine.weight_tensors().items()}
+
+
+WEIGHT_PATHS = {"shared_memory": _weight_store, "gpu_buckets": _gpu_weights,
+                "gpu_buckets_builtin": _gpu_weights_into_builtin}
 
 
 @pytest.mark.parametrize("make", WEIGHT_PATHS.values(), ids=WEIGHT_PATHS.keys())

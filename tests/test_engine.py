@@ -1,11 +1,11 @@
-"""The CPU engine's promises: HF-exact logprobs, greedy = HF generate, continuous batching,
+"""The built-in engine's promises: HF-exact logprobs, greedy = HF generate, continuous batching,
 in-flight weight updates with per-token versions, stop/length, reproducibility."""
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from engines.base import Request, SamplingParams
-from engines.cpu import CPUEngine, inverse_cdf, sample
+from engines.builtin import BuiltinEngine, inverse_cdf, sample
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_sampled_logprobs_match_teacher_forced_hf(model):
     prompts.append(prompts[2])  # a repeated prompt shares one prefill
     requests = [Request(i, p, SamplingParams(temperature=(0.7, 1.0)[i % 2], top_p=0.9 if i == 3 else 1.0,
                                              max_new_tokens=4 + 2 * i)) for i, p in enumerate(prompts)]
-    engine = CPUEngine(model, max_batch=3, max_len=64)  # fewer slots than requests: slots get refilled
+    engine = BuiltinEngine(model, max_batch=3, max_len=64)  # fewer slots than requests: slots get refilled
     completions = engine.generate(requests)
     assert [c.request_id for c in completions] == list(range(len(prompts)))
     for request, completion in zip(requests, completions):
@@ -50,7 +50,7 @@ def test_greedy_matches_hf_generate(model, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["What is 3 + 4? Reply with just the number.", "Hello", "Name three colours of the rainbow, please."]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
-    engine = CPUEngine(model, max_batch=2, max_len=64)
+    engine = BuiltinEngine(model, max_batch=2, max_len=64)
     completions = engine.generate([Request(i, p, SamplingParams(temperature=0, max_new_tokens=12))
                                    for i, p in enumerate(prompts)])
     for prompt, completion in zip(prompts, completions):
@@ -62,7 +62,7 @@ def test_greedy_matches_hf_generate(model, tiny_model_dir):
 
 
 def test_continuous_batching_refills_a_slot_before_the_long_request_ends(model):
-    engine = CPUEngine(model, max_batch=2, max_len=64)
+    engine = BuiltinEngine(model, max_batch=2, max_len=64)
     long, short, queued = random_prompts([6, 4, 8])
     engine.add(Request(0, long, SamplingParams(max_new_tokens=20)))
     engine.add(Request(1, short, SamplingParams(max_new_tokens=2)))
@@ -85,7 +85,7 @@ def test_in_flight_weight_update_records_versions_and_uses_new_weights(model, ti
         for p in new_model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = CPUEngine(model, max_batch=4, max_len=64)
+    engine = BuiltinEngine(model, max_batch=4, max_len=64)
     prompts = random_prompts([5, 11, 3])
     for i, prompt in enumerate(prompts):
         engine.add(Request(i, prompt, SamplingParams(max_new_tokens=10)))
@@ -110,7 +110,7 @@ def test_in_flight_weight_update_records_versions_and_uses_new_weights(model, ti
 
 
 def test_samples_of_one_prompt_share_one_prefill(model):
-    engine = CPUEngine(model, max_batch=8, max_len=32)
+    engine = BuiltinEngine(model, max_batch=8, max_len=32)
     prefilled = []
     prefill = engine.model.prefill
     engine.model.prefill = lambda k, v, ids, rows, slots: prefilled.append(ids.shape) or prefill(k, v, ids, rows, slots)
@@ -124,7 +124,7 @@ def test_samples_of_one_prompt_share_one_prefill(model):
 
 
 def test_weight_tensors_name_every_parameter_and_own_their_storage(model):
-    engine = CPUEngine(model, max_batch=2, max_len=32)
+    engine = BuiltinEngine(model, max_batch=2, max_len=32)
     tensors = engine.weight_tensors()
     state = model.state_dict()
     assert set(tensors) == set(state)
@@ -135,7 +135,7 @@ def test_weight_tensors_name_every_parameter_and_own_their_storage(model):
 
 def test_stop_token_ends_with_stop_and_max_new_tokens_with_length(model):
     prompt = random_prompts([7])[0]
-    engine = CPUEngine(model, max_batch=2, max_len=32)
+    engine = BuiltinEngine(model, max_batch=2, max_len=32)
     greedy = engine.generate([Request(0, prompt, SamplingParams(temperature=0, max_new_tokens=8))])[0]
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
     stop = greedy.token_ids[3]
@@ -156,7 +156,7 @@ def test_same_seed_same_tokens(model):
     requests = [Request(i, p, SamplingParams(max_new_tokens=6, top_p=0.95)) for i, p in enumerate(prompts)]
 
     def run(seed):
-        return [c.token_ids for c in CPUEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
+        return [c.token_ids for c in BuiltinEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
@@ -193,7 +193,7 @@ def test_qwen2_style_bias_and_untied_head_match_hf():
         for name, p in qwen.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)  # HF initialises biases to zero, which would test nothing
-    engine = CPUEngine(qwen, max_batch=2, max_len=48)
+    engine = BuiltinEngine(qwen, max_batch=2, max_len=48)
     assert set(engine.weight_tensors()) == set(qwen.state_dict())  # biases and an untied lm_head included
     requests = [Request(i, p, SamplingParams(temperature=0.8, max_new_tokens=10))
                 for i, p in enumerate(random_prompts([3, 13, 8], vocab=512))]
@@ -202,7 +202,7 @@ def test_qwen2_style_bias_and_untied_head_match_hf():
 
 
 def test_bfloat16_engine_stays_close_to_fp32(model):
-    engine = CPUEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
     requests = [Request(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(random_prompts([6, 15]))]
     for completion in engine.generate(requests):
         assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
@@ -213,11 +213,11 @@ def test_unsupported_architecture_is_refused():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        CPUEngine(gpt2)
+        BuiltinEngine(gpt2)
 
 
 def test_counter_uniform_is_a_fixed_uniform_stream():
-    from engines.cpu import counter_uniform
+    from engines.builtin import counter_uniform
 
     keys, pos = torch.arange(200_000) // 100, torch.arange(200_000) % 100
     u = counter_uniform(7, keys, pos)
@@ -233,6 +233,6 @@ def test_a_request_samples_the_same_tokens_in_any_batch(model):
     # the draw for token t of request r depends on (seed, r, t) only, not on what else is decoding
     prompts = random_prompts([4, 9, 4, 6])
     requests = [Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts)]
-    together = CPUEngine(model, max_batch=4, max_len=32, seed=3).generate(requests)
-    alone = [CPUEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0] for r in requests[::-1]][::-1]
+    together = BuiltinEngine(model, max_batch=4, max_len=32, seed=3).generate(requests)
+    alone = [BuiltinEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0] for r in requests[::-1]][::-1]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]

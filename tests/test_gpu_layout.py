@@ -1,10 +1,10 @@
 """Where the GPU plan puts things: layouts for 1, 2, 4 and 8 GPUs, the device plan, the GPU plan's
 placements and its one-line refusals."""
-import importlib.util
 
 import pytest
 import torch
 
+from launch.config import RolloutConfig
 from launch.layout import auto_plan, plan_layout
 from tests.gpu_fakes import tiny_lm
 
@@ -67,14 +67,25 @@ def test_device_plan():
     from launch.plan import device_plan
 
     assert device_plan("auto", 0) == "cpu" and device_plan("cpu", 8) == "cpu"
+    assert device_plan("auto", 8) == device_plan("gpu", 1) == "gpu"  # with or without SGLang
     with pytest.raises(ValueError, match="torch sees none; use cluster=cpu"):
         device_plan("gpu", 0)
-    if importlib.util.find_spec("sglang") is None:
-        for plan in ("gpu", "auto"):
-            with pytest.raises(ValueError, match=r"pip install -r requirements-gpu.txt"):
-                device_plan(plan, 8)
-    else:
-        assert device_plan("auto", 8) == "gpu"
+
+
+def test_engine_kind_takes_sglang_only_on_the_gpu_plan_where_installed(monkeypatch):
+    from launch import plan
+
+    assert plan.engine_kind("auto", "cpu") == ("builtin", None)
+    assert plan.engine_kind("builtin", "gpu") == ("builtin", None)
+    with pytest.raises(ValueError, match="rollout.engine=sglang needs the GPU plan"):
+        plan.engine_kind("sglang", "cpu")
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: None)  # no sglang here
+    kind, notice = plan.engine_kind("auto", "gpu")
+    assert kind == "builtin" and notice.startswith("notice: sglang is not installed") and "\n" not in notice
+    with pytest.raises(ValueError, match=r"sglang is not installed; pip install -r requirements-gpu.txt"):
+        plan.engine_kind("sglang", "gpu")
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: object())  # sglang installed
+    assert plan.engine_kind("auto", "gpu") == ("sglang", None)
 
 
 def _meta_lm():
@@ -87,14 +98,38 @@ def test_gpu_plan_places_engines_and_ranks():
     from launch.gpu import gpu_plan
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
-                    batch_groups=8, meta_model=_meta_lm(), num_gpus=8, gpu_bytes=80 << 30)
+                    RolloutConfig(), batch_groups=8, meta_model=_meta_lm(), num_gpus=8, gpu_bytes=80 << 30)
     assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
     engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
     assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]
     assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] == [(g, True) for g in (4, 5, 6, 7)]
     weights = plan.weights(_meta_lm())
     assert weights.tp_sizes == [2, 2] and weights.bucket_bytes == 64 << 20 and not weights.engines_ready()
+    assert weights.loader == "sglang" and weights.dtype == torch.bfloat16
     weights.channel.close()
+
+
+def test_gpu_plan_with_the_built_in_engine():
+    """Without SGLang: a built-in engine on each generation GPU, weights in its dtype; on one GPU the engine and
+    the trainer rank each get a capped share of it."""
+    from engines.builtin import BuiltinEngineSpec
+    from launch.config import ClusterConfig
+    from launch.gpu import SHARED_GPU_HEADROOM, gpu_plan
+
+    plan = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32"), 8, _meta_lm(), num_gpus=4,
+                    gpu_bytes=80 << 30, engine="builtin")
+    specs = [plan.engine(w, max_batch=32, max_len=64, dtype="float32") for w in range(plan.rollout_workers)]
+    assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}") for g in (0, 1)]
+    weights = plan.weights(_meta_lm())
+    assert weights.loader == "builtin" and weights.dtype == torch.float32
+    weights.channel.close()
+    assert [p.memory_fraction for p in map(plan.placement, range(2))] == [0.0, 0.0]  # GPUs of their own
+
+    shared = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(), 8, _meta_lm(), num_gpus=1, gpu_bytes=80 << 30,
+                      engine="builtin")
+    engine, rank = shared.engine(0, 32, 64, "bfloat16"), shared.placement(0)
+    assert engine.device == "cuda:0" and engine.memory_fraction == shared.layout.mem_fraction_static == 0.35
+    assert rank.gpu == 0 and rank.memory_fraction == pytest.approx(1 - 0.35 - SHARED_GPU_HEADROOM)
 
 
 @pytest.mark.parametrize("num_gpus, cluster, batch_groups, message", [
@@ -102,11 +137,15 @@ def test_gpu_plan_places_engines_and_ranks():
     (8, dict(tp_size=3), 8, "does not divide the model's 2 KV heads"),
     (8, dict(gen_gpus=5), 8, "'train.batch_groups' must be divisible by the layout's 3 trainer ranks"),
     (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
+    (8, dict(tp_size=2, engine="builtin"), 8, "the built-in engine runs on one GPU; use rollout.engine=sglang"),
+    (8, dict(weight_sync="nccl", engine="builtin"), 8, "cluster.weight_sync=nccl needs rollout.engine=sglang"),
 ])
 def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
     from launch.config import ClusterConfig
     from launch.gpu import gpu_plan
 
+    engine = cluster.pop("engine", "sglang")
     with pytest.raises(ValueError, match=message) as info:
-        gpu_plan(ClusterConfig(plan="gpu", **cluster), batch_groups, _meta_lm(), num_gpus, gpu_bytes=80 << 30)
+        gpu_plan(ClusterConfig(plan="gpu", **cluster), RolloutConfig(), batch_groups, _meta_lm(), num_gpus,
+                 gpu_bytes=80 << 30, engine=engine)
     assert "\n" not in str(info.value)

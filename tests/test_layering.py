@@ -7,7 +7,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONCRETE_ENGINES = ("engines.cpu", "engines.llama", "engines.sglang", "engines.weights", "engines.weight_sync")
+CONCRETE_ENGINES = ("engines.builtin", "engines.llama", "engines.sglang", "engines.weights", "engines.weight_sync")
 
 
 def _sources(folder_or_file: str) -> list[str]:
@@ -53,8 +53,9 @@ def test_imports_point_down(where, forbidden):
 
 def test_the_rule_can_fail():
     """The checker sees imports inside functions too (a lazy import is still a dependency)."""
-    found = _offending(_sources("launch/plan.py"), ("engines.cpu",))
-    assert found == ["launch/plan.py imports engines.cpu", "launch/plan.py imports engines.cpu.CPUEngineSpec"]
+    found = _offending(_sources("launch/plan.py"), ("engines.builtin",))
+    assert found == ["launch/plan.py imports engines.builtin",
+                     "launch/plan.py imports engines.builtin.BuiltinEngineSpec"]
 
 
 def test_benchmarks_run_as_modules_without_path_patches():

@@ -217,6 +217,8 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("rollout.max_prompt_len=3", "config key 'rollout.max_prompt_len' (3) is below every training prompt"),
     ("resume={tmp}", "has no config.yaml"),
     ("cluster=gpu8", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
+    ("cluster=gpu1", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
+    ("rollout.engine=sglang", "rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin"),
 ]
 
 

@@ -143,3 +143,25 @@ def test_publisher_stops_shipping_once_stop_is_set():
     publisher.publish(((n, walked.append(n) or t) for n, t in lm.state_dict().items()), version=1)
     assert walked == list(lm.state_dict()) and channel.receive(0) is None
     channel.close()
+
+
+def test_sglang_refusals_stop_with_their_message():
+    """SGLang answers its control calls with (success, message); begin/end_weight_update are checked too."""
+    from engines.sglang import SGLangBackend
+    from engines.weight_sync import check_sglang
+
+    check_sglang((True, "Success"), "begin_weight_update")
+    check_sglang(None)  # calls that answer nothing
+    with pytest.raises(RuntimeError, match="SGLang refused end_weight_update: no weight-update session is open"):
+        check_sglang((False, "no weight-update session is open"), "end_weight_update")
+    with pytest.raises(RuntimeError, match="refused the weight update: bad"):
+        check_sglang({"success": False, "message": "bad"})
+
+    class Refusing:
+        def begin_weight_update(self):
+            return False, "a weight-update session is already open"
+
+    backend = object.__new__(SGLangBackend)  # without starting SGLang
+    backend.engine = Refusing()
+    with pytest.raises(RuntimeError, match="SGLang refused begin_weight_update: a weight-update session is already"):
+        backend.begin_update()

@@ -13,8 +13,9 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from trainer.policy import full_state
+from engines.weight_sync import engine_name
 
 STATE_FILE = "trainer_state.pt"
 PROGRESS_FILE = "progress.json"
@@ -24,7 +25,7 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
                     keep: int = 0) -> str:
     """Gather the full weights (all ranks call this) and write them, with `state`, atomically from rank 0.
     keep > 0: afterwards delete all but the newest `keep` checkpoints."""
-    weights = {name: tensor.detach().clone() for name, tensor in full_state(policy)}
+    weights = gathered_weights(policy)
     root = os.path.join(run_dir, "checkpoints")
     target = os.path.join(root, f"step_{step}")
     if dist.get_rank() != 0:
@@ -53,6 +54,14 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
         for _, path in checkpoints(run_dir)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
     return target
+
+
+def gathered_weights(policy) -> dict[str, torch.Tensor]:
+    """The full weights under their Hugging Face names, gathered into rank 0's CPU memory one tensor at a time (a
+    collective; the other ranks get {}): no full copy of the model on a GPU, nor on every rank."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(policy, options=options)
+    return {engine_name(name): tensor.detach().clone() for name, tensor in state.items()}
 
 
 def checkpoints(run_dir: str) -> list[tuple[int, str]]:

@@ -55,6 +55,9 @@ class GPUPlacement:
     gpu: int  # this rank's GPU id, from launch.layout.Layout.train_gpus
     checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     device_type: str = "cuda"  # "cpu": gloo on the CPU, how the CPU tests run the GPU plan's launch path
+    # A GPU shared with an engine (the one-GPU layout): the most of it this rank's allocator may take, so that
+    # its cache never grows into the engine's headroom (0: no cap)
+    memory_fraction: float = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +66,8 @@ class GPUPlacement:
     def init_process_group(self, rank: int, world_size: int, port: int) -> None:
         if self.device_type == "cuda":
             init_nccl(rank, world_size, port, self.gpu)
+            if self.memory_fraction:
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, self.gpu)
         else:
             init_gloo(rank, world_size, port)
 

@@ -1,6 +1,6 @@
-"""The built-in CPU generation engine: continuous batching over a slot-based KV cache.
+"""The built-in generation engine: continuous batching over a slot-based KV cache, on the CPU or a CUDA GPU.
 
-    engine = CPUEngine(hf_model, max_batch=64, max_len=256, seed=0)
+    engine = BuiltinEngine(hf_model, max_batch=64, max_len=256, seed=0, device="cpu")  # or "cuda:0", bfloat16
     completions = engine.generate([Request(i, ids, SamplingParams(temperature=1.0)) for i, ids in ...])
 
 Or drive it yourself: `add()` requests, call `step()` (admit + one decode step) and collect what
@@ -103,11 +103,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm
 
 
-class CPUEngine:
+class BuiltinEngine:
+    """The same code on every device: the weights, the KV cache and the per-slot decode state live on `device`;
+    only the bookkeeping of requests and slots is Python."""
+
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
         with torch.inference_mode(False):  # normal tensors, so callers can copy_() into them outside inference mode
-            self.model = Llama(model, dtype, max_len)
+            self.model = Llama(model, dtype, max_len, self.device)
         self.max_batch, self.max_len = max_batch, max_len
         self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
         self.seed = seed
@@ -116,11 +120,12 @@ class CPUEngine:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free = list(range(max_batch))      # a min-heap: low slots first keeps running slots dense
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
-        self.slot_token = torch.zeros(max_batch, dtype=torch.long)  # the token to feed next
-        self.slot_pos = torch.zeros(max_batch, dtype=torch.long)    # its position = tokens already cached
-        self.slot_temperature = torch.ones(max_batch)
-        self.slot_request = torch.zeros(max_batch, dtype=torch.long)  # request id: the sampling stream's key
-        self.slot_top_p = torch.ones(max_batch)
+        on = {"device": self.device}
+        self.slot_token = torch.zeros(max_batch, dtype=torch.long, **on)  # the token to feed next
+        self.slot_pos = torch.zeros(max_batch, dtype=torch.long, **on)    # its position = tokens already cached
+        self.slot_temperature = torch.ones(max_batch, **on)
+        self.slot_request = torch.zeros(max_batch, dtype=torch.long, **on)  # request id: the sampling stream's key
+        self.slot_top_p = torch.ones(max_batch, **on)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         return self.model.weight_tensors()
@@ -170,26 +175,32 @@ class CPUEngine:
             request, slot = self.waiting.popleft(), heapq.heappop(self.free)
             self.running[slot] = Sequence(request, slot)
             admitted.append((request, slot))
-            self.slot_token[slot] = request.prompt_ids[-1]
-            self.slot_pos[slot] = len(request.prompt_ids) - 1
-            self.slot_temperature[slot] = request.params.temperature
-            self.slot_request[slot] = request.request_id
-            self.slot_top_p[slot] = request.params.top_p
+        if not admitted:
+            return
+        requests = [r for r, _ in admitted]
+        slots = torch.tensor([slot for _, slot in admitted], device=self.device)
+        self.slot_token[slots] = self._tensor([r.prompt_ids[-1] for r in requests])
+        self.slot_pos[slots] = self._tensor([len(r.prompt_ids) - 1 for r in requests])
+        self.slot_temperature[slots] = self._tensor([r.params.temperature for r in requests], torch.float32)
+        self.slot_request[slots] = self._tensor([r.request_id for r in requests])
+        self.slot_top_p[slots] = self._tensor([r.params.top_p for r in requests], torch.float32)
         # K samples of one prompt share its prefix: compute it once, copy its cache into each slot.
         prefixes: dict[tuple[int, ...], int] = {}
-        rows = [prefixes.setdefault(tuple(r.prompt_ids[:-1]), len(prefixes)) for r, _ in admitted]
-        longest = max((len(p) for p in prefixes), default=0)
+        rows = [prefixes.setdefault(tuple(r.prompt_ids[:-1]), len(prefixes)) for r in requests]
+        longest = max(len(p) for p in prefixes)
         if longest == 0:
             return
         ids = torch.zeros(len(prefixes), longest, dtype=torch.long)
         for row, prefix in enumerate(prefixes):
             ids[row, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
-        self.model.prefill(self.k_cache, self.v_cache, ids, torch.tensor(rows),
-                           torch.tensor([slot for _, slot in admitted]))
+        self.model.prefill(self.k_cache, self.v_cache, ids.to(self.device), self._tensor(rows), slots)
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device)
 
     def _decode(self) -> list[Completion]:
         slots = sorted(self.running)
-        active = torch.tensor(slots)
+        active = self._tensor(slots)
         pos = self.slot_pos[active]
         logits = self.model.decode(self.k_cache, self.v_cache, self.slot_token[active], pos, active,
                                    int(pos.max()) + 1)
@@ -215,16 +226,24 @@ class CPUEngine:
 
 
 @dataclass(frozen=True)
-class CPUEngineSpec:
-    """How a rollout worker on the CPU plan builds its engine (engines/sglang.py's SGLangSpec on the GPU plan)."""
+class BuiltinEngineSpec:
+    """How a rollout process builds a built-in engine (engines/sglang.py's SGLangSpec builds the other kind)."""
     max_batch: int  # sequences decoded together (cache slots)
     max_len: int  # prompt + completion tokens of the longest sequence
     dtype: str = "float32"  # the engine's weights: float32 | bfloat16
+    device: str = "cpu"  # cpu | cuda:N
+    # A GPU shared with a trainer rank (the one-GPU layout): the most of it this process may take (0: no cap)
+    memory_fraction: float = 0.0
 
     @contextmanager
     def open(self, weights_path: str, seed: int):
         from transformers import AutoModelForCausalLM
 
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            if self.memory_fraction:
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
         # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
-        yield CPUEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
-                        self.max_len, seed, getattr(torch, self.dtype))
+        yield BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
+                            self.max_len, seed, getattr(torch, self.dtype), device)
