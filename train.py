@@ -24,6 +24,15 @@ from omegaconf import OmegaConf
 
 from launch.config import check_overrides, parse, register
 
+# One-line notices of choices made for this machine (auto precision, auto engine), printed once set-up has
+# passed: a set-up error stays the only line on stderr.
+NOTICES: list[str] = []
+
+
+def _print_notices() -> None:
+    while NOTICES:
+        print(NOTICES.pop(0), file=sys.stderr)
+
 
 def main(raw) -> None:
     if raw.resume:
@@ -47,6 +56,7 @@ def main(raw) -> None:
     from launch.plan import device_plan, pin_threads
 
     plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
+    cfg = _precision(cfg, plan_name)
     pin_threads(cfg.cluster.threads_per_process)
     torch.set_num_threads(cfg.cluster.threads_per_process)
     from models.loader import resolve
@@ -110,6 +120,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     port = free_port()
     start = time.time()
     error = None
+    _print_notices()
 
     def start_worker(w: int, first_group: int) -> None:
         sup.start(f"rollout-{w}", run_worker, dict(worker, worker=w, engine=engines[w], first_group=first_group),
@@ -147,13 +158,26 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     return error
 
 
+def _precision(cfg, plan: str):
+    """The config with `auto` precisions settled for this machine (launch.plan.resolve_precision)."""
+    import dataclasses
+
+    from launch.plan import resolve_precision
+
+    dtype, autocast, notice = resolve_precision(cfg.rollout.dtype, cfg.train.autocast, plan)
+    if notice:
+        NOTICES.append(notice)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype=dtype),
+                               train=dataclasses.replace(cfg.train, autocast=autocast))
+
+
 def _plan(name: str, cfg, model_path: str):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
     from launch.plan import CPUPlan, engine_kind
 
     engine, notice = engine_kind(cfg.rollout.engine, name)
     if notice:
-        print(notice, file=sys.stderr)
+        NOTICES.append(notice)
     if name == "cpu":
         return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts)
     import torch
@@ -183,6 +207,7 @@ def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     spec = _eval_spec(cfg, _stop_ids(model_path))
+    _print_notices()
     start = time.time()
     engine_spec = plan.engine(0, 64, longest_request(task, tokenizer, spec), cfg.rollout.dtype)
     with engine_spec.open(model_path, cfg.seed) as engine:

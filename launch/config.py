@@ -68,7 +68,9 @@ class RolloutConfig:
     max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
     max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
     long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
-    dtype: str = "bfloat16"  # bfloat16 | float32: the engine's weights and matmuls (bf16 decodes ~2x faster here)
+    # auto | bfloat16 | float32: the engine's weights and matmuls. auto: bfloat16 where the device computes it
+    # natively (a CUDA GPU, a CPU with AVX-512), float32 elsewhere (bf16 there is ~100x slower than fp32)
+    dtype: str = "auto"
     # auto | builtin | sglang: the generation engine. auto: SGLang on the GPU plan when it is installed, else the
     # built-in engine (engines/builtin.py, the CPU plan's, on CUDA); sglang needs the GPU plan
     engine: str = "auto"
@@ -80,7 +82,8 @@ class RolloutConfig:
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
         _require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size",
                  self.max_batch)
-        _require(self.dtype in ("bfloat16", "float32"), "rollout.dtype", "must be bfloat16 or float32", self.dtype)
+        _require(self.dtype in ("auto", "bfloat16", "float32"), "rollout.dtype", "must be auto, bfloat16 or float32",
+                 self.dtype)
         _require(self.max_prompt_len >= 0, "rollout.max_prompt_len", "must be >= 0 (0: no limit)", self.max_prompt_len)
         _require(self.long_prompts in ("skip", "truncate"), "rollout.long_prompts", "must be skip or truncate",
                  self.long_prompts)
@@ -97,7 +100,9 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
-    autocast: str = "bfloat16"  # bfloat16 | none: mixed precision of the forward/backward (weights stay fp32)
+    # auto | bfloat16 | none: mixed precision of the forward/backward on the CPU (weights stay fp32). auto: as
+    # rollout.dtype's auto
+    autocast: str = "auto"
     # torch.compile the decoder stack: about 1.5x faster bf16 steps on the CPU after a compile of one to three
     # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
     compile: bool = False
@@ -110,7 +115,8 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         _require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)
         _require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", self.max_bad_steps)
-        _require(self.autocast in ("bfloat16", "none"), "train.autocast", "must be bfloat16 or none", self.autocast)
+        _require(self.autocast in ("auto", "bfloat16", "none"), "train.autocast", "must be auto, bfloat16 or none",
+                 self.autocast)
 
 
 @dataclass

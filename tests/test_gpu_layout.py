@@ -98,7 +98,8 @@ def test_gpu_plan_places_engines_and_ranks():
     from launch.gpu import gpu_plan
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
-                    RolloutConfig(), batch_groups=8, meta_model=_meta_lm(), num_gpus=8, gpu_bytes=80 << 30)
+                    RolloutConfig(dtype="bfloat16"), batch_groups=8, meta_model=_meta_lm(), num_gpus=8,
+                    gpu_bytes=80 << 30)
     assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
     engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
     assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]
@@ -125,8 +126,8 @@ def test_gpu_plan_with_the_built_in_engine():
     weights.channel.close()
     assert [p.memory_fraction for p in map(plan.placement, range(2))] == [0.0, 0.0]  # GPUs of their own
 
-    shared = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(), 8, _meta_lm(), num_gpus=1, gpu_bytes=80 << 30,
-                      engine="builtin")
+    shared = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="bfloat16"), 8, _meta_lm(), num_gpus=1,
+                      gpu_bytes=80 << 30, engine="builtin")
     engine, rank = shared.engine(0, 32, 64, "bfloat16"), shared.placement(0)
     assert engine.device == "cuda:0" and engine.memory_fraction == shared.layout.mem_fraction_static == 0.35
     assert rank.gpu == 0 and rank.memory_fraction == pytest.approx(1 - 0.35 - SHARED_GPU_HEADROOM)
@@ -149,3 +150,17 @@ def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
         gpu_plan(ClusterConfig(plan="gpu", **cluster), RolloutConfig(), batch_groups, _meta_lm(), num_gpus,
                  gpu_bytes=80 << 30, engine=engine)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("capability, native", [("AVX512", True), ("AVX2", False), ("DEFAULT", False)])
+def test_auto_precision_is_bf16_only_where_the_device_computes_it_natively(monkeypatch, capability, native):
+    from launch import plan
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert plan.native_bf16("cpu") is native and plan.native_bf16("gpu")
+    dtype, autocast, notice = plan.resolve_precision("auto", "auto", "cpu")
+    assert (dtype, autocast) == (("bfloat16", "bfloat16") if native else ("float32", "none"))
+    assert (notice is None) is native and (native or "\n" not in notice)
+    assert plan.resolve_precision("bfloat16", "bfloat16", "cpu") == ("bfloat16", "bfloat16", None)  # asked for
+    assert plan.resolve_precision("float32", "none", "gpu") == ("float32", "none", None)
+    assert plan.resolve_precision("auto", "auto", "gpu")[:2] == ("bfloat16", "bfloat16")

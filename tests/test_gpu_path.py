@@ -27,13 +27,14 @@ from trainer.policy import TokenLogprobs
 
 
 def _composed(*overrides):
-    """The typed config train.py would build from these overrides, and its resolved dict."""
+    """The typed config train.py would build from these overrides for the GPU plan, and its resolved dict."""
     from omegaconf import OmegaConf
 
+    import train
     from launch.config import compose, parse
 
     raw = compose(list(overrides))
-    return parse(raw), OmegaConf.to_container(raw, resolve=True)
+    return train._precision(parse(raw), "gpu"), OmegaConf.to_container(raw, resolve=True)
 
 
 def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):

@@ -199,7 +199,7 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("rollout.max_new_tokens=0", "config key 'rollout.max_new_tokens' must be >= 1"),
     ("rollout.temperature=0", "config key 'rollout.temperature' must be > 0"),
     ("rollout.top_p=1.5", "config key 'rollout.top_p' must be in (0, 1]"),
-    ("rollout.dtype=float16", "config key 'rollout.dtype' must be bfloat16 or float32"),
+    ("rollout.dtype=float16", "config key 'rollout.dtype' must be auto, bfloat16 or float32"),
     ("algo=grpo algo.clip_eps=3", "config key 'algo.clip_eps' must be in (0, 1)"),
     ("train.lr=fast", "config key 'train.lr' must be of type float"),
     ("train.lr=-1e-5", "config key 'train.lr' must be > 0"),

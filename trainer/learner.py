@@ -35,6 +35,7 @@ class Learner:
 
     def __init__(self, *, model_path: str, train: "TrainConfig", algo, rollout: "RolloutConfig", rank: Rank = Rank(),
                  init_path: str = ""):
+        assert train.autocast != "auto", "the launcher settles train.autocast=auto (launch.plan.resolve_precision)"
         self.rank, self.train, self.rollout = rank, train, rollout
         place = rank.placement
         self.device = place.device
