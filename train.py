@@ -184,7 +184,8 @@ def _plan(name: str, cfg, model_path: str):
 
     from launch.gpu import gpu_plan
 
-    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups, _meta_model(model_path),
+    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups // cfg.train.minibatches,
+                    _meta_model(model_path),
                     torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory, engine=engine)
     print(f"gpu plan: {plan.layout.describe()}; engine: {engine}")
     return plan

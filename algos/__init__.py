@@ -26,9 +26,69 @@ class MicroBatch:
     batch_sequences: int  # sequences in the whole optimizer batch, across ranks
     batch_tokens: int  # valid completion tokens in the whole optimizer batch, across ranks
     max_new_tokens: int  # the sampling budget (Dr. GRPO's constant normaliser)
-    step: int  # optimizer steps done so far (for schedules)
+    step: int  # batches trained on so far, i.e. the policy version (for schedules; train.minibatches splits one)
     ref_logprobs: Optional[torch.Tensor] = None  # [n, T] frozen initial policy, if the loss needs it
-    prox_logprobs: Optional[torch.Tensor] = None  # [n, T] weights before this update, if the loss needs it
+    prox_logprobs: Optional[torch.Tensor] = None  # [n, T] weights before this batch's first update, if needed
+
+
+CORRECTIONS = ("none", "tis", "mis_token", "mis_seq")
+
+
+@dataclass
+class PGConfig:
+    """What the policy-gradient rules' Configs (ppo, grpo, rloo) share: the rule's name, and the correction for
+    the mismatch between the engine's sampling policy and the trainer's.
+
+    The engine sampled with pi_behav; the trainer's weights before this batch are pi_prox. With a correction on,
+    a rule takes its ratio against pi_prox and weights each token by (no gradient):
+        w_it = pi_prox(y_it) / pi_behav(y_it)
+        tis        c_it = min(w_it, tis_cap)                                    truncated IS (Yao et al. 2025)
+        mis_token  c_it = w_it * [mis_low <= w_it <= mis_high]                  masked IS per token (icepop)
+        mis_seq    w_i = exp(mean_t log w_it);  c_it = w_i * [mis_low <= w_i <= mis_high]   per sequence
+    tb and online_dpo take none: both are off-policy objectives that hold for any sampling policy.
+    """
+    name: str = ""  # the rule (each rule's Config sets it)
+    correction: str = "none"  # none | tis | mis_token | mis_seq (above)
+    tis_cap: float = 2.0  # tis: the largest weight C
+    mis_low: float = 0.5  # mis_*: tokens / sequences with a weight below this are dropped
+    mis_high: float = 2.0  # mis_*: ... and above this
+
+    def check_correction(self):
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"config key 'algo.correction' must be one of {', '.join(CORRECTIONS)} "
+                             f"(got {self.correction!r})")
+        if not self.tis_cap > 0:
+            raise ValueError(f"config key 'algo.tis_cap' must be > 0 (got {self.tis_cap})")
+        if not 0 <= self.mis_low < 1:
+            raise ValueError(f"config key 'algo.mis_low' must be in [0, 1) (got {self.mis_low})")
+        if not self.mis_high > 1:
+            raise ValueError(f"config key 'algo.mis_high' must be > 1 (got {self.mis_high})")
+
+
+def correction_weights(cfg: PGConfig, prox: torch.Tensor, behav: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """[n, T] logprobs of pi_prox and pi_behav, mask -> c [n, T] (PGConfig's docstring; 0 on padding), metrics."""
+    with torch.no_grad():
+        log_w = (prox - behav) * mask  # [n, T]
+        tokens = mask.sum().clamp(min=1).item()
+        if cfg.correction == "tis":
+            w = log_w.exp()
+            c = w.clamp(max=cfg.tis_cap) * mask
+            return c, {"correction/truncated_frac": ((w > cfg.tis_cap).float() * mask).sum().item() / tokens}
+        if cfg.correction == "mis_token":
+            w = log_w.exp()
+        else:
+            assert cfg.correction == "mis_seq", cfg.correction
+            w = (log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp().expand_as(mask)
+        kept = mask * (w >= cfg.mis_low) * (w <= cfg.mis_high)
+        return w * kept, {"correction/masked_frac": (mask - kept).sum().item() / tokens}
+
+
+def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor) -> dict:
+    """Fractions of the masked tokens whose ratio [n, T] lies below low and above high (the two clipped sides)."""
+    tokens = mask.sum().clamp(min=1).item()
+    below, above = ((low - ratio) > 1e-6).float() * mask, ((ratio - high) > 1e-6).float() * mask
+    return {"clip_frac_low": below.sum().item() / tokens, "clip_frac_high": above.sum().item() / tokens}
 
 
 def names() -> list[str]:

@@ -6,22 +6,24 @@
     l_it   = -w_it * min(rho_it * A_i, clip(rho_it, 1 - eps, 1 + eps_high) * A_i)
     L      = sum_{it: w_it <= cap} l_it / batch_tokens           tokens with w_it > cap are masked out
 
-pi_prox: the weights before this update (mb.prox_logprobs); decoupled: false sets pi_prox = pi_behav (w = 1).
+pi_prox: the weights before this batch's first update (mb.prox_logprobs; with train.minibatches = 1, the
+current weights); decoupled: false sets pi_prox = pi_behav (w = 1). algo.correction (algos.PGConfig)
+replaces w_it and the cap's masking with its own weight c_it.
 Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = G * K.
 """
 from dataclasses import dataclass
 
 import torch
 
-from algos import MicroBatch, group_advantages
+from algos import MicroBatch, PGConfig, clip_fractions, correction_weights, group_advantages
 
 
 @dataclass
-class Config:
+class Config(PGConfig):
     name: str = "ppo"
     clip_eps: float = 0.2  # lower clip of the ratio pi/pi_prox
     clip_eps_high: float = 0.2  # upper clip (clip-higher when larger than clip_eps)
-    behav_weight_cap: float = 5.0  # tokens with pi_prox/pi_behav above this are masked out
+    behav_weight_cap: float = 5.0  # tokens with pi_prox/pi_behav above this are masked out (correction: none)
     decoupled: bool = True  # proximal policy separate from behaviour (false: standard PPO)
     scale_std: bool = True  # divide group-centred rewards by the group's std
 
@@ -32,6 +34,10 @@ class Config:
             raise ValueError(f"config key 'algo.clip_eps_high' must be > 0 (got {self.clip_eps_high})")
         if not self.behav_weight_cap > 1:
             raise ValueError(f"config key 'algo.behav_weight_cap' must be > 1 (got {self.behav_weight_cap})")
+        self.check_correction()
+        if self.correction != "none" and not self.decoupled:
+            raise ValueError(f"config key 'algo.correction={self.correction}' weights pi_prox / pi_behav, which "
+                             "standard PPO does not have: set algo.decoupled=true")
 
 
 class Loss:
@@ -49,8 +55,13 @@ class Loss:
         else:
             prox = mb.behav_logprobs
         adv = group_advantages(mb.rewards, mb.group_size, scale=cfg.scale_std)[:, None]  # [n, 1]
-        weight = torch.exp(prox - mb.behav_logprobs)  # [n, T]
-        kept = mb.mask * (weight <= cfg.behav_weight_cap)  # [n, T]
+        correction = {}
+        if cfg.correction == "none":
+            weight = torch.exp(prox - mb.behav_logprobs)  # [n, T]
+            kept = mb.mask * (weight <= cfg.behav_weight_cap)  # [n, T]
+        else:
+            weight, correction = correction_weights(cfg, prox, mb.behav_logprobs, mb.mask)
+            kept = mb.mask * (weight > 0)
         ratio = torch.exp(mb.logprobs - prox)
         clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
         per_token = -weight * torch.min(ratio * adv, clipped * adv) * kept
@@ -59,12 +70,15 @@ class Loss:
             tokens = mb.mask.sum().clamp(min=1).item()
             kept_tokens = kept.sum().clamp(min=1).item()
             log_ratio = mb.logprobs - prox
+            sides = clip_fractions(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps_high, kept)
             metrics = {
                 "loss/ppo": per_token.sum().item() / tokens,
                 "ppo/clip_frac": (((ratio - clipped).abs() > 1e-6).float() * kept).sum().item() / kept_tokens,
+                **{f"ppo/{k}": v for k, v in sides.items()},
                 "ppo/behav_weight_masked_frac": (mb.mask - kept).sum().item() / tokens,
                 "ppo/behav_weight_mean": (weight * kept).sum().item() / kept_tokens,
                 "ppo/approx_kl": (((ratio - 1) - log_ratio) * kept).sum().item() / kept_tokens,
                 "ppo/adv_abs_mean": adv.abs().mean().item(),
+                **correction,
             }
         return loss, metrics

@@ -2,33 +2,34 @@
 
     r_i   <- r_i - kl_coef * sum_t (log pi_behav(y_it) - log pi_ref(y_it))     (only when kl_coef > 0; no grad)
     A_i   = r_i - (1 / (K - 1)) sum_{j != i} r_j                               leave-one-out baseline
-    L     = -sum_i A_i * log pi_theta(y_i|x) / batch_sequences                 log pi(y|x) = sum_t over completion
+    L     = -sum_i A_i * sum_t c_it log pi_theta(y_it) / batch_sequences        over completion tokens
 
-Shapes: logprobs, behav_logprobs, ref_logprobs, mask [n, T]; rewards [n]; n = G * K.
+c_it = 1, or with algo.correction (algos.PGConfig) the correction weight of pi_prox / pi_behav.
+Shapes: logprobs, behav_logprobs, ref_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = G * K.
 """
 from dataclasses import dataclass
 
 import torch
 
-from algos import MicroBatch, sequence_logprobs
+from algos import MicroBatch, PGConfig, correction_weights, sequence_logprobs
 
 
 @dataclass
-class Config:
+class Config(PGConfig):
     name: str = "rloo"
     kl_coef: float = 0.0  # KL penalty folded into the reward (> 0 needs a reference forward)
 
     def check(self):
         if not self.kl_coef >= 0:
             raise ValueError(f"config key 'algo.kl_coef' must be >= 0 (got {self.kl_coef})")
+        self.check_correction()
 
 
 class Loss:
-    needs_proximal = False
-
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.needs_reference = cfg.kl_coef > 0
+        self.needs_proximal = cfg.correction != "none"
 
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         k = mb.group_size
@@ -39,9 +40,14 @@ class Loss:
             kl = sequence_logprobs(mb.behav_logprobs - mb.ref_logprobs, mb.mask).detach()  # [n]
             rewards = rewards - self.cfg.kl_coef * kl
             metrics["rloo/kl"] = kl.mean().item()
+        weight = mb.mask
+        if self.needs_proximal:
+            assert mb.prox_logprobs is not None, "rloo with a correction needs proximal logprobs"
+            weight, correction = correction_weights(self.cfg, mb.prox_logprobs, mb.behav_logprobs, mb.mask)
+            metrics.update(correction)
         r = rewards.view(-1, k)  # [G, K]
         adv = (r - (r.sum(dim=1, keepdim=True) - r) / (k - 1)).reshape(-1)  # [n]
-        per_seq = -adv * sequence_logprobs(mb.logprobs, mb.mask)
+        per_seq = -adv * sequence_logprobs(mb.logprobs, weight)
         loss = per_seq.sum() / mb.batch_sequences
         metrics["loss/rloo"] = per_seq.mean().item()
         metrics["rloo/adv_abs_mean"] = adv.abs().mean().item()

@@ -94,6 +94,9 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     batch_groups: int = 8  # B: prompts (groups of K) per optimizer step
+    # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
+    # version advances, once per batch (so max_staleness still counts batches)
+    minibatches: int = 1
     micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
     micro_tokens: int = 4096  # padded tokens per pass, at most: long completions go a few groups at a time (0: off)
     lr: float = 2e-5  # AdamW learning rate
@@ -109,6 +112,9 @@ class TrainConfig:
 
     def check(self):
         _require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)
+        _require(self.minibatches >= 1, "train.minibatches", "must be >= 1", self.minibatches)
+        _require(self.batch_groups % self.minibatches == 0, "train.minibatches",
+                 f"must divide train.batch_groups={self.batch_groups}", self.minibatches)
         _require(self.micro_groups >= 1, "train.micro_groups", "must be >= 1", self.micro_groups)
         _require(self.micro_tokens >= 0, "train.micro_tokens", "must be >= 0", self.micro_tokens)
         _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
@@ -208,8 +214,10 @@ class Config:
                  f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
                  "(or set cluster.oversubscribe=true)",
                  f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
-        _require(self.train.batch_groups % self.cluster.trainer_ranks == 0, "train.batch_groups",
-                 f"must be divisible by cluster.trainer_ranks={self.cluster.trainer_ranks}", self.train.batch_groups)
+        t, ranks = self.train, self.cluster.trainer_ranks
+        _require(t.batch_groups % (t.minibatches * ranks) == 0, "train.batch_groups",
+                 f"must be divisible by cluster.trainer_ranks={ranks}"
+                 + (f" times train.minibatches={t.minibatches}" if t.minibatches > 1 else ""), t.batch_groups)
 
 
 def _require(ok: bool, key: str, what: str, got: Any) -> None:

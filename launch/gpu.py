@@ -2,8 +2,8 @@
 launch/layout.py puts them, weights from trainer rank 0 to every engine after each optimizer step (CUDA IPC, or
 NCCL for SGLang). docs/gpu.md tells the whole story.
 
-    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups, meta_model, torch.cuda.device_count(),
-                    gpu_bytes, engine="builtin")
+    plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups // cfg.train.minibatches, meta_model,
+                    torch.cuda.device_count(), gpu_bytes, engine="builtin")
 
 train.py runs it exactly as it runs launch.plan.CPUPlan. Engines find their GPUs through SGLang's
 `base_gpu_id` with every GPU left visible (no per-process CUDA_VISIBLE_DEVICES): an engine that opens rank 0's
@@ -18,10 +18,11 @@ from launch.layout import Layout, plan_layout
 from launch.plan import free_port
 
 
-def gpu_plan(cluster, rollout, batch_groups: int, meta_model, num_gpus: int, gpu_bytes: int,
+def gpu_plan(cluster, rollout, minibatch_groups: int, meta_model, num_gpus: int, gpu_bytes: int,
              engine: str = "sglang") -> "GPUPlan":
     """The layout for these GPUs and this model; a one-line ValueError for what cannot work. `rollout`: the
-    config's rollout section (its dtype is the engines'); `engine`: builtin or sglang (launch.plan.engine_kind)."""
+    config's rollout section (its dtype is the engines'); `minibatch_groups`: the groups of one optimizer step
+    (train.batch_groups / train.minibatches); `engine`: builtin or sglang (launch.plan.engine_kind)."""
     model_bytes = 2 * sum(p.numel() for p in meta_model.parameters())  # bf16, as the engines hold it
     kv_heads = getattr(meta_model.config, "num_key_value_heads", None) or 0
     tp_size = cluster.tp_size if engine == "sglang" else 1
@@ -36,9 +37,9 @@ def gpu_plan(cluster, rollout, batch_groups: int, meta_model, num_gpus: int, gpu
     if cluster.weight_sync == "nccl" and engine == "builtin":
         raise ValueError("cluster.weight_sync=nccl needs rollout.engine=sglang; the built-in engine loads its "
                          "weights over CUDA IPC (cluster.weight_sync=ipc)")
-    if batch_groups % layout.num_trainer_ranks:
-        raise ValueError(f"config key 'train.batch_groups' must be divisible by the layout's "
-                         f"{layout.num_trainer_ranks} trainer ranks (got {batch_groups})")
+    if minibatch_groups % layout.num_trainer_ranks:
+        raise ValueError(f"config key 'train.batch_groups' (per minibatch, if train.minibatches > 1) must be "
+                         f"divisible by the layout's {layout.num_trainer_ranks} trainer ranks (got {minibatch_groups})")
     return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing,
                    engine_kind=engine, engine_dtype=rollout.dtype)
 

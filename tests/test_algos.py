@@ -254,10 +254,125 @@ def test_online_dpo_all_tied_gives_zero_loss_with_a_graph():
     assert metrics["dpo/skipped_groups"] == 2.0
 
 
+# ---- off-policy corrections (algos.PGConfig) ----
+
+def correction_reference(mb, kind, cap=2.0, low=0.5, high=2.0):
+    """c_it per token, from plain Python: TIS min(w, C); MIS w in [low, high] else 0, per token or per sequence."""
+    prox, bh = rows(mb, "prox_logprobs"), rows(mb, "behav_logprobs")
+    c = [[0.0] * T for _ in range(len(prox))]
+    for i in range(len(prox)):
+        logs = [prox[i][t] - bh[i][t] for t in range(LENGTHS[i])]
+        for t, log_w in enumerate(logs):
+            w = math.exp(sum(logs) / len(logs)) if kind == "mis_seq" else math.exp(log_w)
+            c[i][t] = min(w, cap) if kind == "tis" else (w if low <= w <= high else 0.0)
+    return c
+
+
+def off_policy_mb():
+    """Weights w = pi_prox/pi_behav inside and outside [0.5, 2]: one token at 3, one at 0.3, a sequence at 2.5."""
+    mb = make_mb(REWARDS)
+    with torch.no_grad():
+        mb.prox_logprobs[0, 0] = mb.behav_logprobs[0, 0] + math.log(3.0)
+        mb.prox_logprobs[2, 1] = mb.behav_logprobs[2, 1] + math.log(0.3)
+        mb.prox_logprobs[4] = mb.behav_logprobs[4] + math.log(2.5)
+    return mb
+
+
+KINDS = ["tis", "mis_token", "mis_seq"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_correction_weights_match_reference(kind):
+    mb = off_policy_mb()
+    want = correction_reference(mb, kind)
+    got, metrics = algos.correction_weights(algos.get("grpo").Config(correction=kind), mb.prox_logprobs,
+                                            mb.behav_logprobs, mb.mask)
+    assert got.tolist() == [pytest.approx(row, rel=1e-12, abs=0) for row in want]
+    valid = [(i, t) for i in range(len(want)) for t in range(LENGTHS[i])]
+    if kind == "tis":
+        truncated = sum(math.exp(rows(mb, "prox_logprobs")[i][t] - rows(mb, "behav_logprobs")[i][t]) > 2.0
+                        for i, t in valid)
+        assert truncated >= 4 and metrics["correction/truncated_frac"] == pytest.approx(truncated / len(valid))
+    else:
+        dropped = sum(want[i][t] == 0.0 for i, t in valid)
+        assert dropped >= 1 and metrics["correction/masked_frac"] == pytest.approx(dropped / len(valid))
+    if kind == "mis_seq":  # whole sequences: row 4's geometric mean is 2.5
+        assert want[4][:LENGTHS[4]] == [0.0] * LENGTHS[4] and all(v > 0 for v in want[0][:LENGTHS[0]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grpo_with_correction_clips_against_proximal_and_weights_tokens(kind):
+    mb = off_policy_mb()
+    c = correction_reference(mb, kind)
+    lp, prox, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
+    adv = group_adv(mb.rewards.tolist(), scale=True)
+    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            token_loss, d = ppo_token(math.exp(lp[i][t] - prox[i][t]), adv[i], 0.8, 1.2)
+            want_loss += c[i][t] * token_loss / LENGTHS[i] / n
+            want_grad[i][t] = c[i][t] * d / LENGTHS[i] / n
+    grpo = algos.get("grpo")
+    assert grpo.Loss(grpo.Config(correction=kind)).needs_proximal and not grpo.Loss(grpo.Config()).needs_proximal
+    loss, grad, _ = run(grpo, mb, correction=kind)
+    assert_close(loss, grad, want_loss, want_grad)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ppo_correction_replaces_the_cap_rather_than_stacking_on_it(kind):
+    mb = off_policy_mb()
+    with torch.no_grad():
+        mb.prox_logprobs[1, 0] = mb.behav_logprobs[1, 0] + math.log(10.0)  # above behav_weight_cap = 5
+    c = correction_reference(mb, kind)
+    lp, prox, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
+    adv = group_adv(mb.rewards.tolist(), scale=True)
+    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            token_loss, d = ppo_token(math.exp(lp[i][t] - prox[i][t]), adv[i], 0.8, 1.2)
+            want_loss += c[i][t] * token_loss / mb.batch_tokens
+            want_grad[i][t] = c[i][t] * d / mb.batch_tokens
+    loss, grad, metrics = run(algos.get("ppo"), mb, correction=kind)
+    assert_close(loss, grad, want_loss, want_grad)
+    if kind == "tis":  # the capped token trains with weight C = 2, where the cap alone would have masked it
+        assert c[1][0] == 2.0 and grad[1][0] != 0.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rloo_with_correction_weights_each_token(kind):
+    mb = off_policy_mb()
+    c = correction_reference(mb, kind)
+    lp, r, n = rows(mb, "logprobs"), mb.rewards.tolist(), len(mb.rewards)
+    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
+    for i in range(n):
+        g = i // K
+        adv = r[i] - sum(r[j] for j in range(g * K, g * K + K) if j != i) / (K - 1)
+        for t in range(LENGTHS[i]):
+            want_loss += -adv * c[i][t] * lp[i][t] / n
+            want_grad[i][t] = -adv * c[i][t] / n
+    loss, grad, _ = run(algos.get("rloo"), mb, correction=kind)
+    assert_close(loss, grad, want_loss, want_grad)
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_clip_fraction_splits_into_its_lower_and_upper_side(name):
+    mb = make_mb(REWARDS)
+    lp, bh = rows(mb, "logprobs"), rows(mb, "behav_logprobs")
+    old = bh if name == "grpo" else rows(mb, "prox_logprobs")
+    rho = [math.exp(lp[i][t] - old[i][t]) for i in range(len(lp)) for t in range(LENGTHS[i])]
+    _, _, metrics = run(algos.get(name), mb)
+    low, high = sum(x < 0.8 for x in rho) / len(rho), sum(x > 1.2 for x in rho) / len(rho)
+    assert low > 0 and high > 0
+    assert metrics[f"{name}/clip_frac_low"] == pytest.approx(low)
+    assert metrics[f"{name}/clip_frac_high"] == pytest.approx(high)
+    assert metrics[f"{name}/clip_frac"] == pytest.approx(low + high)
+
+
 # ---- every rule ----
 
 ALL = [("grpo", {}), ("tb", {}), ("ppo", {}), ("ppo", {"decoupled": False}), ("rloo", {"kl_coef": 0.1}),
-       ("online_dpo", {}), ("online_dpo", {"loss_type": "ipo"})]
+       ("online_dpo", {}), ("online_dpo", {"loss_type": "ipo"}), ("grpo", {"correction": "tis"}),
+       ("ppo", {"correction": "mis_seq"}), ("rloo", {"correction": "mis_token"})]
 
 
 @pytest.mark.parametrize("name,cfg", ALL)
@@ -284,13 +399,14 @@ def test_metrics_are_namespaced_floats(name, cfg):
     assert f"loss/{prefix}" in metrics
     for key, value in metrics.items():
         assert type(value) is float and math.isfinite(value), key
-        assert key.split("/")[0] in ("loss", prefix), key
+        assert key.split("/")[0] in ("loss", prefix) + (("correction",) if "correction" in cfg else ()), key
 
 
 BAD = [("grpo", "clip_eps", 1.5), ("grpo", "clip_eps_high", 0.0),
        ("tb", "beta_start", 0.0), ("tb", "beta_end", -1.0), ("tb", "beta_steps", -1),
        ("ppo", "clip_eps", 0.0), ("ppo", "clip_eps_high", -0.1), ("ppo", "behav_weight_cap", 0.5),
-       ("rloo", "kl_coef", -0.1),
+       ("rloo", "kl_coef", -0.1), ("grpo", "correction", "is"), ("rloo", "tis_cap", 0.0),
+       ("ppo", "mis_low", 1.0), ("ppo", "mis_high", 0.9),
        ("online_dpo", "beta", 0.0), ("online_dpo", "loss_type", "hinge")]
 
 
@@ -300,6 +416,11 @@ def test_config_check_names_the_bad_key(name, key, value):
     module.Config().check()
     with pytest.raises(ValueError, match=rf"config key 'algo\.{key}' must"):
         module.Config(**{key: value}).check()
+
+
+def test_standard_ppo_refuses_a_correction():
+    with pytest.raises(ValueError, match=r"'algo.correction=tis'.*set algo.decoupled=true"):
+        algos.get("ppo").Config(decoupled=False, correction="tis").check()
 
 
 @pytest.mark.parametrize("name", algos.names())

@@ -34,12 +34,13 @@ def _schema_classes():
 
 @pytest.mark.parametrize("cls", _schema_classes(), ids=lambda c: f"{c.__module__}.{c.__qualname__}")
 def test_every_schema_key_has_a_default_and_a_comment(cls):
-    source = inspect.getsource(cls).splitlines()
     for f in dataclasses.fields(cls):
         if f.name == "name" or dataclasses.is_dataclass(f.default_factory):  # an identity; a section (its own class)
             continue
         assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING \
             or f.name in ("algo", "task"), f"{cls.__qualname__}.{f.name} has no default"
+        owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))  # inherited: its base
+        source = inspect.getsource(owner).splitlines()
         index = next(i for i, line in enumerate(source) if line.strip().startswith(f"{f.name}:"))
         commented = "#" in source[index] or source[index - 1].strip().startswith("#")
         assert commented, f"{cls.__qualname__}.{f.name} has no comment"

@@ -98,7 +98,7 @@ def test_gpu_plan_places_engines_and_ranks():
     from launch.gpu import gpu_plan
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
-                    RolloutConfig(dtype="bfloat16"), batch_groups=8, meta_model=_meta_lm(), num_gpus=8,
+                    RolloutConfig(dtype="bfloat16"), minibatch_groups=8, meta_model=_meta_lm(), num_gpus=8,
                     gpu_bytes=80 << 30)
     assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
     engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
@@ -136,7 +136,8 @@ def test_gpu_plan_with_the_built_in_engine():
 @pytest.mark.parametrize("num_gpus, cluster, batch_groups, message", [
     (8, dict(gen_gpus=6, train_gpus=4), 8, "do not fit in the 8"),
     (8, dict(tp_size=3), 8, "does not divide the model's 2 KV heads"),
-    (8, dict(gen_gpus=5), 8, "'train.batch_groups' must be divisible by the layout's 3 trainer ranks"),
+    (8, dict(gen_gpus=5), 8, r"'train.batch_groups' \(per minibatch, if train.minibatches > 1\) must be divisible "
+                             "by the layout's 3 trainer ranks"),
     (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
     (8, dict(tp_size=2, engine="builtin"), 8, "the built-in engine runs on one GPU; use rollout.engine=sglang"),
     (8, dict(weight_sync="nccl", engine="builtin"), 8, "cluster.weight_sync=nccl needs rollout.engine=sglang"),

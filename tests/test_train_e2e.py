@@ -48,13 +48,21 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("eta", [0, 2])
 def test_staleness_never_exceeds_the_bound(tiny_model_dir, tmp_path, eta):
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=6", f"max_staleness={eta}", *TINY)
+    # eta = 2 also runs decoupled PPO with two minibatches a batch and a correction, and its diagnostics
+    extra = ("algo=ppo", "train.minibatches=2", "algo.correction=mis_token") if eta else ()
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=6", f"max_staleness={eta}", *TINY, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path)
     assert len(rows) == 6
     assert max(r["staleness_max"] for r in rows) <= eta
+    assert all("policy/entropy" in r and 0 < r["offpolicy/ess"] <= 1 + 1e-9 for r in rows)
     if eta > 0:  # the tiny model generates faster than it trains, so asynchrony must show up
         assert max(r["staleness_max"] for r in rows) > 0
+        assert any("offpolicy/kl" in r for r in rows)
+        assert all("correction/masked_frac" in r and "ppo/clip_frac_high" in r for r in rows)
+    else:
+        # every batch holds the trainer's own version's samples (tb's replay adds older ones after step 1)
+        assert rows[0]["offpolicy/fresh_frac"] == 1.0 and rows[0]["mismatch/kl"] >= 0
 
 
 def test_two_trainer_ranks(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, head_logprobs, init_gloo
+from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, init_gloo
 
 
 def attn_implementation() -> str:
@@ -103,15 +103,14 @@ def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_
 class VarlenTokenLogprobs(TokenLogprobs):
     """TokenLogprobs with the same inputs and outputs, computed over one packed row of separate sequences."""
 
-    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float):
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         order, picks = varlen_layout(segments, gather, targets.shape[0] // segments.shape[0])
         order, picks = order.to(input_ids.device), picks.to(input_ids.device)
         ids = input_ids.reshape(-1)[order][None]  # [1, N]
         positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
         hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
-        flat = head_logprobs(hidden[picks].flatten(0, 1), self.lm.lm_head, targets.reshape(-1), temperature)
-        return flat.reshape(targets.shape).clone()  # FSDP2: no view out
+        return self.head(hidden[picks].flatten(0, 1), targets, temperature, entropy)
 
 
 def varlen_layout(segments: torch.Tensor, gather: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

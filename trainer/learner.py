@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import algos
 from trainer.batch import PAD, Batch, micro_batches
+from trainer.diagnostics import OffPolicyStats
 from trainer.policy import CPUPlacement, Placement, full_state
 
 if TYPE_CHECKING:
@@ -51,8 +52,29 @@ class Learner:
         self.bad_in_row = 0
 
     def step(self, batch: Batch, step: int) -> dict:
-        """Forward/backward over this rank's share of `batch`, clip, and step (skipped if not finite)."""
-        loss, metrics, tokens = self._forward_backward(batch, step)
+        """Train on `batch`, the data for policy version step - 1: `train.minibatches` optimizer steps, each a
+        forward/backward over this rank's share of its minibatch, a clip and an AdamW step (skipped if not
+        finite). The proximal policy is the weights before the first of them."""
+        count = self.train.minibatches
+        size = batch.num_groups // count
+        minibatches = [batch] if count == 1 else [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
+        plans = [self._passes(mb) for mb in minibatches]
+        stats = OffPolicyStats(version=step - 1)
+        # One minibatch: its forward runs on the weights before the update, so the proximal logprobs are that
+        # forward's own, detached. More: one no-grad pass over the batch first, before anything changes.
+        prox = self._proximal(minibatches, plans, stats) if count > 1 else [None]
+        rows = [self._update(mb, passes, step, mb_prox, stats if count == 1 else None)
+                for mb, passes, mb_prox in zip(minibatches, plans, prox)]
+        out = rows[0]
+        if count > 1:  # means over the minibatches, but counts add up
+            summed = {"train/tokens", *getattr(self.loss_fn, "summed_metrics", ())}
+            out = {k: sum(row[k] for row in rows) / (1 if k in summed else count) for k in rows[0]}
+        out["train/skipped_steps"] = self.skipped
+        return {**out, **stats.metrics(self.rank.world_size, self.device)}
+
+    def _update(self, batch: Batch, passes, step: int, prox, stats) -> dict:
+        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)."""
+        loss, metrics, tokens = self._forward_backward(batch, passes, step, prox, stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if bool(torch.isfinite(loss) and torch.isfinite(grad_norm)):
@@ -67,28 +89,54 @@ class Learner:
         return {"loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped,
                 "train/tokens": tokens, **metrics}
 
-    def _forward_backward(self, batch: Batch, step: int):
-        train, world_size = self.train, self.rank.world_size
+    def _passes(self, batch: Batch) -> list[tuple[int, int]]:
+        """This rank's forward/backward passes over `batch`, as group ranges."""
         row_lens = (batch.segments != PAD).sum(1).tolist()
-        passes = micro_batches(row_lens, world_size, train.micro_groups, train.micro_tokens)[self.rank.rank]
+        return micro_batches(row_lens, self.rank.world_size, self.train.micro_groups,
+                             self.train.micro_tokens)[self.rank.rank]
+
+    def _inputs(self, mb: Batch, entropy: bool):
+        return mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature, entropy
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.train.autocast == "bfloat16")
+
+    @torch.no_grad()
+    def _proximal(self, minibatches: list[Batch], plans, stats: OffPolicyStats) -> list[list[torch.Tensor]]:
+        """The current weights' logprobs for every pass of every minibatch, before any of them updates."""
+        prox = []
+        for batch, passes in zip(minibatches, plans):
+            prox.append([])
+            for start, stop in passes:
+                mb = batch.groups(start, stop).to(self.device)
+                with self._autocast():
+                    logprobs, entropy = self.policy(*self._inputs(mb, entropy=True))
+                stats.add(logprobs, mb.behav_logprobs, mb.mask, mb.versions, entropy)
+                prox[-1].append(logprobs)
+        return prox
+
+    def _forward_backward(self, batch: Batch, passes, step: int, prox, stats):
+        world_size = self.rank.world_size
         total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
-        for start, stop in passes:
+        for i, (start, stop) in enumerate(passes):
             mb = batch.groups(start, stop).to(self.device)
-            inputs = (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.autocast == "bfloat16"):
-                logprobs = self.policy(*inputs)
+            with self._autocast():
+                out = self.policy(*self._inputs(mb, entropy=stats is not None))
+                logprobs, entropy = out if stats is not None else (out, None)
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
-                        ref = self.reference(*inputs)
-            # One optimizer step per batch: the weights before this update are the weights of this forward,
-            # so the proximal policy's logprobs are these very values, without gradient.
-            prox = logprobs.detach() if self.loss_fn.needs_proximal else None
+                        ref = self.reference(*self._inputs(mb, entropy=False))
+            if stats is not None:
+                stats.add(logprobs.detach(), mb.behav_logprobs, mb.mask, mb.versions, entropy)
+            mb_prox = None
+            if self.loss_fn.needs_proximal:
+                mb_prox = logprobs.detach() if prox is None else prox[i]
             loss, metrics = self.loss_fn(algos.MicroBatch(
                 logprobs=logprobs, behav_logprobs=mb.behav_logprobs, mask=mb.mask, rewards=mb.rewards,
                 group_size=self.rollout.group_size, batch_sequences=batch.targets.shape[0],
                 batch_tokens=int(batch.mask.sum()), max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
-                ref_logprobs=ref, prox_logprobs=prox))
+                ref_logprobs=ref, prox_logprobs=mb_prox))
             # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back up.
             (loss * world_size).backward()
             total_loss += loss.detach()

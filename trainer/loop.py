@@ -101,7 +101,8 @@ class _Loop:
                     batch = pack(self.replay.sample(self.batch_groups, version))
                     # reward and staleness describe the fresh data (the current policy's); replay has its own
                     info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
-                            "staleness/dropped_groups": dropped, **self.replay.stats(), **_staleness(fresh, version)}
+                            "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
+                            **self.replay.stats(), **_staleness(fresh, version)}
                     payload = (batch, info)
                 except Stopped:
                     pass
@@ -166,8 +167,8 @@ class _Loop:
 
     def _take_fresh(self, version: int):
         """Move B fresh groups from the ring into the buffer; groups too old to train on are dropped (their
-        budget goes back to the gate). Returns the groups taken and how many were dropped."""
-        shared, taken, dropped = self.shared, [], 0
+        budget goes back to the gate). Returns the groups taken and those dropped."""
+        shared, taken, dropped = self.shared, [], []
         while len(taken) < self.batch_groups:
             group = shared.ring.get(timeout=0.5)
             if group is None:
@@ -177,7 +178,7 @@ class _Loop:
             index = group.group_id // self.workers
             self.next_group[group.worker_id] = max(self.next_group.get(group.worker_id, 0), index + 1)
             if too_old(group, version, self.max_staleness):
-                dropped += 1
+                dropped.append(group)
                 shared.gate.cancel(1)
                 continue
             self.replay.add(group, version)
@@ -195,6 +196,17 @@ def _staleness(fresh: list, version: int) -> dict:
     """Policy-version lag of the fresh (not replayed) groups in the batch."""
     lags = [lag(g, version) for g in fresh] or [0]
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags)}
+
+
+def _kept_and_dropped(kept: list, dropped: list) -> dict:
+    """Mean completion length and reward of the fresh groups kept and of those dropped for staleness (when any):
+    dropping the slow ones can tilt training towards short, easy completions."""
+    out = {}
+    for name, groups in (("kept", kept), ("dropped", dropped)):
+        if groups:
+            out[f"staleness/{name}_len"] = torch.cat([g.completion_lens for g in groups]).float().mean().item()
+            out[f"staleness/{name}_reward"] = torch.cat([g.rewards for g in groups]).mean().item()
+    return out
 
 
 def _broadcast(value):

@@ -21,22 +21,29 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float):
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
         hidden = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
-        flat = head_logprobs(picked.flatten(0, 1), self.lm.lm_head, targets.reshape(-1), temperature)
-        return flat.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
+        return self.head(picked.flatten(0, 1), targets, temperature, entropy)
+
+    def head(self, rows, targets, temperature: float, entropy: bool):
+        """Hidden rows [G*K*T, d] -> logprobs [G*K, T]; with `entropy`, (logprobs, the policy's entropy at each
+        of those positions [G*K, T], no gradient)."""
+        out, ent = head_logprobs(rows, self.lm.lm_head, targets.reshape(-1), temperature, entropy)
+        logprobs = out.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
+        return (logprobs, ent.reshape(targets.shape)) if entropy else logprobs
 
 
-def head_logprobs(hidden, head: nn.Linear, targets, temperature: float):
+def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy: bool = False):
     """log_softmax(hidden @ head.weight.T / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast
-    dtype if autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision)."""
+    dtype if autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision);
+    and the entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
     assert head.bias is None, "lm_head with a bias is not supported"
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    return _HeadLogprob.apply(hidden, head.weight, targets, temperature, dtype)
+    return _HeadLogprob.apply(hidden, head.weight, targets, temperature, dtype, entropy)
 
 
 class _HeadLogprob(torch.autograd.Function):
@@ -51,22 +58,26 @@ class _HeadLogprob(torch.autograd.Function):
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype):
+    def forward(ctx, hidden, weight, targets, temperature, dtype, entropy):
         device = hidden.device
         chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
         with torch.autocast(device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             out, lse = torch.empty(len(h), device=device), torch.empty(len(h), device=device)
+            ent = torch.empty(len(h) if entropy else 0, device=device)
             for rows in _chunks(len(h), w.shape[0], chunk):
                 logits = _logits(h[rows], w, temperature)
                 lse[rows] = logits.logsumexp(-1)
                 out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+                if entropy:  # H = -sum_v p_v log p_v = lse - sum_v p_v logit_v
+                    ent[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(-1)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.hidden_dtype, ctx.chunk = temperature, hidden.dtype, chunk
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _entropy_grad):
         h, weight, targets, lse = ctx.saved_tensors
         temp = ctx.temperature
         with torch.autocast(h.device.type, enabled=False):
@@ -79,7 +90,7 @@ class _HeadLogprob(torch.autograd.Function):
                 grad_logits[rows] = g.scatter_add_(-1, targets[rows, None], scale[rows, None])
             grad_h = grad_logits @ w
             grad_w = grad_logits.T @ h
-        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), None, None, None
+        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), None, None, None, None
 
 
 def _logits(h, w, temperature):

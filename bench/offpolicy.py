@@ -1,0 +1,180 @@
+"""Off-policy trade-offs: staleness against the learning rule, and updates per batch, on the same 2 cores.
+
+    python -m bench.offpolicy [--steps 10] [--seeds 0,1] [--out bench_out/offpolicy] [--report-only]
+
+The grid, each point once per seed (Hydra multiruns of `train.py`, one per rule variant):
+    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, online_dpo, tb}
+    ppo (decoupled) with train.minibatches=4 at max_staleness=2
+on the default arithmetic task and model, at a reduced size (COMMON below) so that the grid takes about an hour on
+2 cores. Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread) and draws
+offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1, against training wall-clock
+(evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the seeds.
+Ends with `offpolicy_decoupled_vs_naive=<ppo's reward at eta=8 / naive ppo's>`. A bench that stopped part way
+reruns only the variants with a missing run.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ETAS = (0, 2, 8)
+VARIANTS = {  # name -> overrides; each runs at every eta
+    "ppo": ["algo=ppo"],
+    "ppo_naive": ["algo=ppo", "algo.decoupled=false"],
+    "grpo": ["algo=grpo"],
+    "online_dpo": ["algo=online_dpo"],
+    "tb": ["algo=tb"],
+}
+EXTRA = {"ppo_m4": (["algo=ppo", "train.minibatches=4"], (2,))}  # name -> overrides, etas
+# 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an hour
+# on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
+COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.max_examples=32", "eval.k=1",
+          "progress=false", "checkpoint.keep=1"]
+
+
+def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:
+    sweep_dir = os.path.join(out, name)
+    if all(_complete(os.path.join(sweep_dir, _subdir(e, s)), steps) for e in etas for s in seeds):
+        print(f"{name}: done before, kept", flush=True)
+        return
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
+           f"seed={','.join(map(str, seeds))}", f"steps={steps}", *overrides, *COMMON,
+           f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=eta=${max_staleness},seed=${seed}"]
+    print(" ".join(cmd[1:]), flush=True)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"error: the {name} sweep failed:\n{result.stderr[-2000:]}")
+
+
+def _subdir(eta: int, seed: int) -> str:
+    return f"eta={eta},seed={seed}"
+
+
+def _complete(run_dir: str, steps: int) -> bool:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        summary = json.load(f)
+    return summary.get("status") == "completed" and summary.get("steps") == steps
+
+
+def load(run_dir: str) -> dict:
+    """One run's curves and figures."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    evals, clock, curve, tests = 0.0, [], [], []
+    for r in rows:
+        evals += r.get("perf/eval_s", 0.0)
+        clock.append(r["time_s"] - evals)  # training time: the evaluation pauses training, the same for all
+        curve.append(r["reward_mean"])
+        if "eval_pass@1" in r:
+            tests.append((clock[-1], r["eval_pass@1"]))
+    third = max(len(rows) // 3, 1)
+
+    def mean(key):
+        values = [r[key] for r in rows if key in r]
+        return sum(values) / len(values) if values else None
+
+    return {"clock": clock, "reward": curve, "tests": tests, "reward_last_third": sum(curve[-third:]) / third,
+            "pass@1": tests[-1][1] if tests else None, "s_per_step": clock[-1] / len(rows),
+            "staleness": mean("staleness_mean"), "dropped": sum(r["staleness/dropped_groups"] for r in rows),
+            "offpolicy_kl": mean("offpolicy/kl"), "mismatch_kl": mean("mismatch/kl"), "ess": mean("offpolicy/ess"),
+            "clip_frac": mean("ppo/clip_frac") if mean("ppo/clip_frac") is not None else mean("grpo/clip_frac"),
+            "entropy": mean("policy/entropy")}
+
+
+def _spread(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mid = sum(values) / len(values)
+    return f"{mid:.2f} ± {(max(values) - min(values)) / 2:.2f}" if len(values) > 1 else f"{mid:.2f}"
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def table(results: dict) -> str:
+    lines = ["| rule | max_staleness | reward, last third | test pass@1, end | s/step (training) | mean staleness | "
+             "groups dropped | KL(behav ‖ trainer), old tokens | mismatch KL, fresh tokens | ESS | clip frac | "
+             "entropy |", "| --- " * 12 + "|"]
+    for (name, eta), runs in results.items():
+        def f(key, fmt="{:.2f}"):
+            value = _mean([r[key] for r in runs])
+            return "-" if value is None else fmt.format(value)
+        lines.append(f"| {name} | {eta} | {_spread([r['reward_last_third'] for r in runs])} | "
+                     f"{_spread([r['pass@1'] for r in runs])} | {f('s_per_step', '{:.1f}')} | {f('staleness')} | "
+                     f"{f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | {f('mismatch_kl', '{:.1e}')} | "
+                     f"{f('ess')} | {f('clip_frac', '{:.3f}')} | {f('entropy')} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(VARIANTS)
+    fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7), sharey="row", squeeze=False)
+    colors = {0: "tab:blue", 2: "tab:orange", 8: "tab:red"}
+    for (name, eta), runs in results.items():
+        col = panels.index("ppo" if name == "ppo_m4" else name)
+        style = dict(color=colors[eta], linestyle="--" if name == "ppo_m4" else "-",
+                     label=f"eta={eta}" + (", minibatches=4" if name == "ppo_m4" else ""))
+        steps = min(len(r["reward"]) for r in runs)
+        clock = [_mean([r["clock"][i] for r in runs]) for i in range(steps)]
+        per_step = [[r["reward"][i] for r in runs] for i in range(steps)]
+        axes[0][col].plot(clock, [_mean(v) for v in per_step], **style)
+        axes[0][col].fill_between(clock, [min(v) for v in per_step], [max(v) for v in per_step],
+                                  color=colors[eta], alpha=0.15)
+        points = min(len(r["tests"]) for r in runs)
+        if points:
+            t = [_mean([r["tests"][i][0] for r in runs]) for i in range(points)]
+            acc = [[r["tests"][i][1] for r in runs] for i in range(points)]
+            axes[1][col].plot(t, [_mean(v) for v in acc], marker="o", **style)
+            axes[1][col].fill_between(t, [min(v) for v in acc], [max(v) for v in acc], color=colors[eta],
+                                      alpha=0.15)
+    for col, name in enumerate(panels):
+        axes[0][col].set_title(name.replace("_naive", " naive (decoupled=false)"))
+        axes[1][col].set_xlabel("training wall-clock, s")
+        if axes[0][col].lines:
+            axes[0][col].legend(fontsize=8)
+    axes[0][0].set_ylabel("reward of the step's fresh groups")
+    axes[1][0].set_ylabel("test pass@1 (greedy)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "offpolicy"))
+    parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    grid = {name: (overrides, ETAS) for name, overrides in VARIANTS.items()} | EXTRA
+    if not args.report_only:
+        for name, (overrides, etas) in grid.items():
+            run_variant(name, overrides, etas, seeds, args.steps, args.out)
+    results = {(name, eta): [load(os.path.join(args.out, name, _subdir(eta, s))) for s in seeds]
+               for name, (_, etas) in grid.items() for eta in etas}
+    print(f"\n{args.steps} steps of 4 prompts x 4 samples, seeds {args.seeds}; mean over seeds ± half their spread\n")
+    print(table(results))
+    png = os.path.join(args.out, "offpolicy.png")
+    plot(results, png)
+    print(f"\nplot: {png}")
+    ratio = _mean([r["reward_last_third"] for r in results[("ppo", 8)]]) / \
+        max(_mean([r["reward_last_third"] for r in results[("ppo_naive", 8)]]), 1e-9)
+    print(f"offpolicy_decoupled_vs_naive={ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""bench/offpolicy.py's reading of runs: training clock without evaluation, seeds' spread, one table row per point."""
+import json
+import os
+
+import pytest
+
+from bench import offpolicy
+
+
+def _run(path, rewards, eval_s=5.0, seed_shift=0.0):
+    os.makedirs(path)
+    rows = []
+    for i, r in enumerate(rewards, 1):
+        row = {"step": i, "time_s": 10.0 * i + (eval_s if i >= 2 else 0.0), "reward_mean": r + seed_shift,
+               "staleness_mean": 1.0, "staleness/dropped_groups": 1, "policy/entropy": 2.0, "offpolicy/ess": 0.9}
+        if i == 2:
+            row.update({"perf/eval_s": eval_s, "eval_pass@1": 0.5 + seed_shift})
+        rows.append(row)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_load_takes_evaluation_out_of_the_clock(tmp_path):
+    _run(tmp_path / "a", [0.1, 0.2, 0.3])
+    run = offpolicy.load(str(tmp_path / "a"))
+    assert run["clock"] == [10.0, 20.0, 30.0]  # 5 s of evaluation after step 2 removed from steps 2 and 3
+    assert run["tests"] == [(20.0, 0.5)] and run["pass@1"] == 0.5
+    assert run["reward_last_third"] == pytest.approx(0.3) and run["dropped"] == 3
+    assert run["offpolicy_kl"] is None and run["ess"] == pytest.approx(0.9)
+
+
+def test_table_and_plot_show_the_seeds_spread(tmp_path):
+    runs = []
+    for seed, shift in enumerate((0.0, 0.2)):
+        _run(tmp_path / f"s{seed}", [0.1, 0.2, 0.3], seed_shift=shift)
+        runs.append(offpolicy.load(str(tmp_path / f"s{seed}")))
+    results = {("ppo", 0): runs, ("ppo_m4", 2): runs}
+    text = offpolicy.table(results)
+    assert "| ppo | 0 | 0.40 ± 0.10 | 0.60 ± 0.10 |" in text and "| ppo_m4 | 2 |" in text
+    offpolicy.plot(results, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000

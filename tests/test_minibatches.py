@@ -1,0 +1,220 @@
+"""train.minibatches and the off-policy diagnostics: the Learner against loops written out here by hand."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import algos
+from buffer.ring import Group
+from launch.config import RolloutConfig, TrainConfig
+from trainer.batch import pack
+from trainer.diagnostics import OffPolicyStats
+from trainer.learner import Learner
+from trainer.policy import TokenLogprobs
+
+K, STEPS = 3, 6
+
+
+def _groups(count, seed=0, versions=0):
+    """`count` groups of K random completions; behaviour logprobs are junk filled in by `_behaviour`."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for index in range(count):
+        lens = torch.randint(1, STEPS + 1, (K,), generator=g)
+        ids = torch.zeros(K, STEPS, dtype=torch.long)
+        for i in range(K):
+            ids[i, : lens[i]] = torch.randint(3, 1000, (int(lens[i]),), generator=g)
+        groups.append(Group(
+            prompt_ids=torch.randint(3, 1000, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g),
+            completion_ids=ids, completion_lens=lens, logprobs=torch.zeros(K, STEPS),
+            versions=torch.full((K, STEPS), versions, dtype=torch.long), rewards=torch.rand(K, generator=g),
+            truncated=torch.zeros(K, dtype=torch.bool), prompt_index=index, group_id=index, worker_id=0))
+    return groups
+
+
+def _inputs(batch, temperature=1.0):
+    return batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, temperature
+
+
+def _behaviour(model_dir, batch, noise=0.3, seed=1):
+    """Behaviour logprobs: the initial model's, plus noise (the engine sampled with other weights)."""
+    policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    with torch.no_grad():
+        exact = policy(*_inputs(batch))
+    g = torch.Generator().manual_seed(seed)
+    batch.behav_logprobs = (exact + noise * torch.randn(exact.shape, generator=g)) * batch.mask
+    return exact
+
+
+def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None):
+    train = TrainConfig(batch_groups=4, minibatches=minibatches, micro_tokens=0, lr=lr, grad_clip=1.0,
+                        autocast="none")
+    return Learner(model_path=model_dir, train=train, algo=algo,
+                   rollout=rollout or RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
+
+
+def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2):
+    """What train.minibatches = M means, written out: proximal logprobs of every minibatch at the starting
+    weights, then per minibatch a forward, the rule's loss normalised by that minibatch, clip, AdamW."""
+    policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    loss_fn = algos.get(algo.name).Loss(algo)
+    size = batch.num_groups // minibatches
+    parts = [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
+    with torch.no_grad():
+        prox = [policy(*_inputs(p)) for p in parts]
+    for part, part_prox in zip(parts, prox):
+        logprobs = policy(*_inputs(part))
+        loss, _ = loss_fn(algos.MicroBatch(
+            logprobs=logprobs, behav_logprobs=part.behav_logprobs, mask=part.mask, rewards=part.rewards,
+            group_size=K, batch_sequences=part.targets.shape[0], batch_tokens=int(part.mask.sum()),
+            max_new_tokens=STEPS, step=0, prox_logprobs=part_prox if minibatches > 1 else logprobs.detach()))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {n: p.detach() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("minibatches", [1, 2, 4])
+def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches):
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    algo = algos.get("ppo").Config()
+    want = _hand_loop(tiny_model_dir, batch, algo, minibatches)
+    learner = _learner(tiny_model_dir, algo, minibatches)
+    metrics = learner.step(batch, 1)
+    got = dict(learner.policy.named_parameters())
+    for name, value in want.items():
+        # one minibatch: the very same operations, bit for bit; more: the same maths in another pass order
+        if minibatches == 1:
+            assert torch.equal(got[name], value), name
+        else:
+            assert torch.allclose(got[name], value, atol=1e-6, rtol=1e-5), name
+    assert metrics["train/tokens"] == batch.num_tokens
+
+
+def test_four_minibatches_separate_the_three_policies(tiny_model_dir):
+    """Decoupled PPO with M = 4: after the first update, current != proximal != behaviour, and the ratio clips."""
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    learner = _learner(tiny_model_dir, algos.get("ppo").Config(), minibatches=4, lr=0.05)
+    seen, loss_fn = [], learner.loss_fn
+
+    def recording(mb):
+        seen.append((mb.logprobs.detach().clone(), mb.prox_logprobs.clone(), mb.behav_logprobs.clone(), mb.mask))
+        return loss_fn(mb)
+
+    learner.loss_fn = recording
+    learner.loss_fn.needs_proximal = True
+    metrics = learner.step(batch, 1)
+    assert len(seen) == 4
+    current, prox, behav, mask = seen[0]
+    assert torch.equal(current * mask, prox * mask)  # the first minibatch runs on the proximal weights
+    for current, prox, behav, mask in seen[1:]:
+        on = mask.bool()
+        assert (current - prox)[on].abs().min() > 0 and (prox - behav)[on].abs().min() > 0
+    assert metrics["ppo/clip_frac"] > 0
+    assert metrics["ppo/clip_frac"] == pytest.approx(metrics["ppo/clip_frac_low"] + metrics["ppo/clip_frac_high"])
+
+
+def test_one_minibatch_has_no_clipping_and_no_extra_pass(tiny_model_dir):
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    learner = _learner(tiny_model_dir, algos.get("ppo").Config(), minibatches=1, lr=0.05)
+    calls = []
+    learner.policy.register_forward_hook(lambda *args: calls.append(1))
+    metrics = learner.step(batch, 1)
+    assert len(calls) == 1 and metrics["ppo/clip_frac"] == 0.0
+
+
+def test_minibatches_must_divide_the_batch_and_the_ranks():
+    from launch.config import ClusterConfig, Config
+
+    with pytest.raises(ValueError, match=r"config key 'train.minibatches' must divide train.batch_groups=8"):
+        TrainConfig(minibatches=3).check()
+    cfg = Config(train=TrainConfig(batch_groups=4, minibatches=4), cluster=ClusterConfig(trainer_ranks=2,
+                                                                                        oversubscribe=True))
+    with pytest.raises(ValueError, match=r"must be divisible by cluster.trainer_ranks=2 times train.minibatches=4"):
+        cfg.check()
+
+
+# ---- diagnostics ----
+
+def test_off_policy_stats_match_hand_computed_sums():
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
+    behav = torch.tensor([[-1.1, -1.5, -0.5], [-0.2, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    versions = torch.tensor([[4, 4, 3], [2, 4, 4]])
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 99.0]])
+    stats = OffPolicyStats(version=4)
+    stats.add(train, behav, mask, versions, entropy)
+    fresh, old = [(0, 0), (0, 1), (1, 1)], [(0, 2), (1, 0)]
+
+    def mean(f, cells):
+        return sum(f(train[i, t].item() - behav[i, t].item()) for i, t in cells) / len(cells)
+
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    w = [math.exp(train[i, t].item() - behav[i, t].item()) for i, t in fresh + old]
+    got = stats.metrics()
+    assert got["mismatch/abs_logprob_diff"] == pytest.approx(mean(abs, fresh))
+    assert got["mismatch/kl"] == pytest.approx(mean(k3, fresh))
+    assert got["offpolicy/abs_logprob_diff"] == pytest.approx(mean(abs, old))
+    assert got["offpolicy/kl"] == pytest.approx(mean(k3, old))
+    assert got["offpolicy/ess"] == pytest.approx(sum(w) ** 2 / (5 * sum(x * x for x in w)))
+    assert got["offpolicy/fresh_frac"] == pytest.approx(3 / 5)
+    assert got["policy/entropy"] == pytest.approx(3.0)
+    only_fresh = OffPolicyStats(version=4)
+    only_fresh.add(train, behav, mask, torch.full_like(versions, 4), entropy)
+    assert "offpolicy/kl" not in only_fresh.metrics() and "mismatch/kl" in only_fresh.metrics()
+
+
+def test_head_entropy_is_the_entropy_of_the_full_softmax(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = pack(_groups(2))
+    logprobs, entropy = TokenLogprobs(model)(*_inputs(batch, 0.7), entropy=True)
+    assert torch.equal(logprobs, TokenLogprobs(model)(*_inputs(batch, 0.7)))
+    row = 0
+    g = batch.groups(0, 1)
+    c = g.targets[row, : int(g.mask[row].sum())]
+    ids = torch.cat([g.input_ids[0][g.segments[0] == 0], c])[None]
+    prompt = int((g.segments[0] == 0).sum())
+    logits = model(input_ids=ids).logits[0, prompt - 1: -1] / 0.7
+    want = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(entropy[row, : len(c)], want, atol=1e-5)
+
+
+def test_mismatch_is_zero_when_the_engine_sampled_with_the_trainers_weights(tiny_model_dir):
+    """Fresh tokens whose behaviour logprobs are the trainer's own: no mismatch; marked older: the off-policy keys."""
+    for minibatches in (1, 2):
+        batch = pack(_groups(4))
+        batch.behav_logprobs = _behaviour(tiny_model_dir, batch, noise=0.0)
+        metrics = _learner(tiny_model_dir, algos.get("grpo").Config(), minibatches).step(batch, 1)
+        assert metrics["mismatch/abs_logprob_diff"] < 1e-6 and abs(metrics["mismatch/kl"]) < 1e-9
+        assert metrics["offpolicy/ess"] == pytest.approx(1.0) and metrics["offpolicy/fresh_frac"] == 1.0
+        assert "offpolicy/kl" not in metrics and metrics["policy/entropy"] > 0
+    stale = pack(_groups(4, versions=0))
+    _behaviour(tiny_model_dir, stale, noise=0.3)
+    metrics = _learner(tiny_model_dir, algos.get("grpo").Config(), 1).step(stale, 3)  # holds version 2
+    assert "mismatch/kl" not in metrics and metrics["offpolicy/kl"] > 0 and metrics["offpolicy/ess"] < 1
+
+
+def test_rules_without_a_proximal_policy_still_get_it_per_batch(tiny_model_dir):
+    """tb with M = 2: one extra no-grad pass feeds the diagnostics; the rule itself asks for no proximal."""
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    learner = _learner(tiny_model_dir, algos.get("tb").Config(), minibatches=2)
+    metrics = learner.step(batch, 1)
+    assert not learner.loss_fn.needs_proximal and "mismatch/kl" in metrics and math.isfinite(metrics["loss"])
+
+
+def test_kept_and_dropped_groups_are_described_apart():
+    from trainer.loop import _kept_and_dropped
+
+    kept, dropped = _groups(2, seed=3), _groups(1, seed=4)
+    got = _kept_and_dropped(kept, dropped)
+    lens = [int(n) for g in kept for n in g.completion_lens]
+    assert got["staleness/kept_len"] == pytest.approx(sum(lens) / len(lens))
+    assert got["staleness/dropped_reward"] == pytest.approx(dropped[0].rewards.mean().item())
+    assert "staleness/dropped_len" not in _kept_and_dropped(kept, [])
