@@ -29,10 +29,10 @@ def sample(model, prompts, k, new_tokens, eos, dtype, device) -> list[Group]:
     engine = BuiltinEngine(model, max_batch=len(prompts) * k, max_len=max(map(len, prompts)) + new_tokens, seed=0,
                            dtype=dtype, device=device)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=(eos,))
-    done = engine.generate([Request(i, p, params) for i, p in enumerate(prompts) for _ in range(k)])
+    done = engine.generate([Request(i * k + j, p, params) for i, p in enumerate(prompts) for j in range(k)])
     groups = []
     for index, prompt in enumerate(prompts):
-        mine = [c for c in done if c.request_id == index]
+        mine = sorted((c for c in done if c.request_id // k == index), key=lambda c: c.request_id)
         width = max(len(c.token_ids) for c in mine)
         ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)
         for i, c in enumerate(mine):

@@ -294,10 +294,17 @@ def check_overrides(args: list[str]) -> None:
     """Refuse, before Hydra sees them, command-line overrides naming an unknown group option or key, or giving a
     value of the wrong type: each is checked against the schema of every option the command line selects."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    parsed = [o for o in OverridesParser.create().parse_overrides(overrides)
-              if not o.key_or_group.startswith("hydra") and not o.is_delete()]
+    parser, parsed = OverridesParser.create(), []
+    for a in overrides:
+        try:
+            parsed += [o for o in parser.parse_overrides([a])
+                       if not o.key_or_group.startswith("hydra") and not o.is_delete()]
+        except OverrideParseException as e:
+            raise ValueError(f"cannot parse {a!r} ({str(e).splitlines()[0]}): quote a value holding '=' or ',' "
+                             "(key='a=b'; https://hydra.cc/docs/advanced/override_grammar/basic)") from None
     choices = {group: [option] for group, option in _default_choices().items()}
     for o in parsed:
         if o.key_or_group in GROUPS:
