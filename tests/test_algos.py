@@ -281,6 +281,19 @@ def off_policy_mb():
 KINDS = ["tis", "mis_token", "mis_seq"]
 
 
+def clipped_against_proximal(mb, c, divisor):
+    """sum_it c_it * -min(rho A, clip(rho) A) / divisor(i), rho = pi / pi_prox, and its gradient."""
+    lp, prox, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
+    adv = group_adv(mb.rewards.tolist(), scale=True)
+    loss, grad = 0.0, [[0.0] * T for _ in range(n)]
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            token_loss, d = ppo_token(math.exp(lp[i][t] - prox[i][t]), adv[i], 0.8, 1.2)
+            loss += c[i][t] * token_loss / divisor(i)
+            grad[i][t] = c[i][t] * d / divisor(i)
+    return loss, grad
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_correction_weights_match_reference(kind):
     mb = off_policy_mb()
@@ -304,14 +317,7 @@ def test_correction_weights_match_reference(kind):
 def test_grpo_with_correction_clips_against_proximal_and_weights_tokens(kind):
     mb = off_policy_mb()
     c = correction_reference(mb, kind)
-    lp, prox, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
-    adv = group_adv(mb.rewards.tolist(), scale=True)
-    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
-    for i in range(n):
-        for t in range(LENGTHS[i]):
-            token_loss, d = ppo_token(math.exp(lp[i][t] - prox[i][t]), adv[i], 0.8, 1.2)
-            want_loss += c[i][t] * token_loss / LENGTHS[i] / n
-            want_grad[i][t] = c[i][t] * d / LENGTHS[i] / n
+    want_loss, want_grad = clipped_against_proximal(mb, c, lambda i: LENGTHS[i] * len(mb.rewards))
     grpo = algos.get("grpo")
     assert grpo.Loss(grpo.Config(correction=kind)).needs_proximal and not grpo.Loss(grpo.Config()).needs_proximal
     loss, grad, _ = run(grpo, mb, correction=kind)
@@ -324,14 +330,7 @@ def test_ppo_correction_replaces_the_cap_rather_than_stacking_on_it(kind):
     with torch.no_grad():
         mb.prox_logprobs[1, 0] = mb.behav_logprobs[1, 0] + math.log(10.0)  # above behav_weight_cap = 5
     c = correction_reference(mb, kind)
-    lp, prox, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
-    adv = group_adv(mb.rewards.tolist(), scale=True)
-    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
-    for i in range(n):
-        for t in range(LENGTHS[i]):
-            token_loss, d = ppo_token(math.exp(lp[i][t] - prox[i][t]), adv[i], 0.8, 1.2)
-            want_loss += c[i][t] * token_loss / mb.batch_tokens
-            want_grad[i][t] = c[i][t] * d / mb.batch_tokens
+    want_loss, want_grad = clipped_against_proximal(mb, c, lambda i: mb.batch_tokens)
     loss, grad, metrics = run(algos.get("ppo"), mb, correction=kind)
     assert_close(loss, grad, want_loss, want_grad)
     if kind == "tis":  # the capped token trains with weight C = 2, where the cap alone would have masked it
