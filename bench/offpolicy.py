@@ -31,7 +31,7 @@ EXTRA = {"ppo_m4": (["algo=ppo", "train.minibatches=4"], (2,))}  # name -> overr
 # 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an hour
 # on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
 COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.max_examples=32", "eval.k=1",
-          "progress=false", "checkpoint.keep=1"]
+          "progress=false", "checkpoint.at_end=false"]
 
 
 def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:

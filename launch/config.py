@@ -169,6 +169,7 @@ class BufferConfig:
 class CheckpointConfig:
     every: int = 0  # also save every N steps (0: only at the end)
     keep: int = 0  # newest checkpoints kept on disk (0: all)
+    at_end: bool = True  # save the last step's (false: a sweep that needs only metrics; a 135M model's is 1.6 GB)
 
     def check(self):
         _require(self.every >= 0, "checkpoint.every", "must be >= 0", self.every)

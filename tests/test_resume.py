@@ -37,11 +37,11 @@ def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
     assert sorted(os.listdir(c / "checkpoints")) == ["step_2", "step_4"]
 
 
-def test_checkpoint_keep_prunes_old_ones(tiny_model_dir, tmp_path):
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=4", "checkpoint.every=1",
-                       "checkpoint.keep=2", *TINY)
+def test_checkpoint_keep_prunes_old_ones_and_at_end_false_skips_the_last(tiny_model_dir, tmp_path):
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=5", "checkpoint.every=2",
+                       "checkpoint.keep=1", "checkpoint.at_end=false", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3", "step_4"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4"]  # step_2 pruned, no step_5
 
 
 def test_resume_errors_are_one_line(tiny_model_dir, tmp_path):

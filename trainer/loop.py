@@ -139,8 +139,8 @@ class _Loop:
                     **info, **metrics, **results,
                 })
                 last_tokens, last_time = tokens, now
-            every = self.checkpoint_cfg.every
-            if step == self.steps or (every and step % every == 0):
+            every, at_end = self.checkpoint_cfg.every, self.checkpoint_cfg.at_end
+            if (step == self.steps and at_end) or (every and step % every == 0):
                 self.save(step)
 
     def save(self, step: int) -> None:
