@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import tasks
+from buffer.cores import Threads
 from buffer.ring import Group
 from buffer.shared import Shared
 from engines.base import Completion, Request, SamplingParams
@@ -78,6 +79,7 @@ class RolloutWorker:
         self.max_prompt_len, self.long_prompts = max_prompt_len, long_prompts
         self.engine, self.sync, self.tokenizer, self.task, self.pool = engine, sync, tokenizer, task, pool
         self.shared, self.counters, self.evaluation = shared, shared.counters, evaluation
+        self.threads = Threads()
         self.stream = prompt_stream(len(task.train), worker, workers, seed)
         for _ in range(first_group):  # a resumed or restarted worker skips the prompts of groups delivered before
             next(self.stream)
@@ -102,6 +104,8 @@ class RolloutWorker:
                 elif self.shared.gate.wait_start(timeout=0.2):
                     self.start_group()
                 continue
+            if self.shared.cores is not None:  # the cores go where the work is (buffer/cores.py)
+                self.threads.set(self.shared.cores.worker_threads())
             self.collect(self.engine.step())
 
     def start_group(self) -> None:

@@ -1,7 +1,7 @@
 """ringrl: asynchronous RL post-training of language models on one machine.
 
-    python train.py                               # Trajectory Balance, arithmetic task, SmolLM2-135M, on the CPU
-    python train.py max_staleness=0               # the synchronous baseline of the same code
+    python train.py                               # decoupled PPO, arithmetic task, SmolLM2-135M, on the CPU
+    python train.py max_staleness=2               # asynchronous: data up to 2 policy versions old
     python train.py -m max_staleness=0,1,2,4      # a sweep, one run after another
     python train.py model.path=<HF dir or hub id> steps=100 train.lr=1e-5
     python train.py resume=outputs/<date>/<time>  # continue a run from its latest checkpoint
@@ -53,12 +53,12 @@ def main(raw) -> None:
 
     import torch
 
-    from launch.plan import device_plan, pin_threads
+    from launch.plan import device_plan, quiet_libraries
 
     plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
     cfg = _precision(cfg, plan_name)
-    pin_threads(cfg.cluster.threads_per_process)
-    torch.set_num_threads(cfg.cluster.threads_per_process)
+    quiet_libraries()
+    torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
     from models.loader import resolve
 
     model_path = _or_exit(resolve, cfg.model.path)
@@ -69,7 +69,7 @@ def main(raw) -> None:
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(130 if error == "interrupted" else 1)
-    print(f"done: {run_dir}")
+    print(f"done: {run_dir}{_reached(run_dir)}")
 
 
 def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict) -> str | None:
@@ -81,7 +81,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from buffer.shared import Shared, WorkerCounters
     from buffer.staleness import StalenessGate, lane_slots
     from evaluate import longest_request
-    from launch.plan import free_port
+    from launch.plan import cores_for, free_port, pin_threads
     from launch.summary import draw_curves, write_summary
     from launch.supervisor import Supervisor
     from rollout import run as run_worker
@@ -93,7 +93,9 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     stop_ids = _stop_ids(model_path)
     eval_spec = _eval_spec(cfg, stop_ids)
-    rollout, workers, threads = cfg.rollout, plan.rollout_workers, cfg.cluster.threads_per_process
+    rollout, workers = cfg.rollout, plan.rollout_workers
+    cores = cores_for(cfg.cluster, plan, cfg.max_staleness)
+    pin_threads(max(cores.most("worker"), cores.most("trainer")))  # each OpenMP pool is sized for its most
 
     # Every shared object exists before the first spawn; children receive them as arguments.
     # Each worker owns a lane of slots; one lane can hold every group the staleness bound lets it start.
@@ -104,7 +106,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0),
         weights=plan.weights(_meta_model(model_path)),
         counters=WorkerCounters(workers),
-        stop=sup.stop)
+        stop=sup.stop,
+        cores=cores)
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
     worker = dict(workers=workers, seed=cfg.seed, model_path=model_path, rollout=rollout, reward=cfg.reward,
                   task=cfg.task, stop_ids=stop_ids, max_prompt_len=max_prompt_len, evaluator=evaluator,
@@ -124,7 +127,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
     def start_worker(w: int, first_group: int) -> None:
         sup.start(f"rollout-{w}", run_worker, dict(worker, worker=w, engine=engines[w], first_group=first_group),
-                  threads)
+                  cores.worker_threads())
 
     def restart_worker(name: str, message: str) -> bool:
         """A rollout worker died: free what it held and start a new one where it stopped, up to max_restarts."""
@@ -147,7 +150,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         for r in range(plan.trainer_ranks):
             rank = Rank(r, plan.trainer_ranks, port, plan.placement(r))
             sup.start(f"trainer-{r}", run_learner, dict(learner, rank=rank, progress=cfg.progress and r == 0),
-                      threads, essential=True)
+                      cores.trainer_threads(alone=False), essential=True)
         error = sup.watch(on_failure=restart_worker)
     except KeyboardInterrupt:
         error = "interrupted"
@@ -156,6 +159,17 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         write_summary(run_dir, start, error, sup.peak_mb)
         draw_curves(run_dir)
     return error
+
+
+def _reached(run_dir: str) -> str:
+    """When the run's reward got to each bar of summary.json (launch/summary.py's time to reward)."""
+    from launch.summary import THRESHOLDS
+
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    parts = [f"{t} at {summary[f'time_to_reward_{t}']:.0f} s (step {summary[f'step_to_reward_{t}']})"
+             for t in THRESHOLDS if summary.get(f"time_to_reward_{t}") is not None]
+    return f"; 3-step mean reward reached {', '.join(parts)}" if parts else ""
 
 
 def _precision(cfg, plan: str):
@@ -200,6 +214,7 @@ def _eval_spec(cfg, stop_ids: tuple):
 def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training.
     It generates on the plan's first engine: a built-in engine, or SGLang on the GPU plan."""
+    import torch
     from transformers import AutoTokenizer
 
     import tasks
@@ -208,6 +223,7 @@ def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     spec = _eval_spec(cfg, _stop_ids(model_path))
+    torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))  # alone: every core
     _print_notices()
     start = time.time()
     engine_spec = plan.engine(0, 64, longest_request(task, tokenizer, spec), cfg.rollout.dtype)

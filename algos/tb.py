@@ -4,10 +4,19 @@
     delta_i   = log pi_theta(y_i|x) - log pi_ref(y_i|x) - r_i / beta            [n]
     log Z(x)  = stop_grad(-(1/K) sum_i delta_i)    over the K samples of x       [G]
     L         = mean_i (log Z(x) + delta_i)^2                                    (sum / batch_sequences)
+              x beta^2 / 2 with normalize (the default): see below
     beta      = beta_start -> beta_end, linearly over beta_steps optimizer steps
 
 log pi(y|x) = sum_t log pi(y_t|x, y_<t) over completion tokens (divided by |y| with length_normalize).
 Shapes: logprobs, ref_logprobs, mask [n, T]; rewards [n]; n = G * K.
+
+The scale of the gradient. Before learning, delta's spread within a group is the rewards' divided by beta, so
+the raw gradient is 2/beta times the reward deviation times grad log pi(y|x), a sum over tokens: at beta 0.1
+it is about 300 in norm on the default task, against 3-9 for grpo, and `train.grad_clip` (1) cut it every
+step. `normalize` multiplies L by beta^2 / 2, which turns the gradient into beta * (reward deviation -
+beta * (log-ratio deviation)) * grad log pi: a REINFORCE step's size, clipped only when it is one. TBA's own
+code (bbartoldson/TBA, src/tba_trainer_gsm8k.py) clips nothing. Under AdamW a constant factor cancels, so this
+changes only which steps the clip shortens; see the README's time-to-reward section for what it measured.
 """
 from dataclasses import dataclass
 
@@ -19,10 +28,13 @@ from algos import MicroBatch, sequence_logprobs
 @dataclass
 class Config:
     name: str = "tb"
-    beta_start: float = 0.1  # reward temperature at step 0 (smaller: sharper target, weaker pull to pi_ref)
-    beta_end: float = 0.1  # reward temperature after beta_steps
+    # reward temperature at step 0 (smaller: sharper target, weaker pull to pi_ref). 0.02: faster to reward than
+    # 0.1 on the default task (bench/time_to_reward.py); TBA's GSM8K runs anneal 0.014 -> 0.004
+    beta_start: float = 0.02
+    beta_end: float = 0.02  # reward temperature after beta_steps
     beta_steps: int = 0  # optimizer steps of the linear beta schedule (0: beta_end from the start)
     length_normalize: bool = False  # divide sequence log-ratios by completion length
+    normalize: bool = True  # scale the loss by beta^2 / 2: a REINFORCE-sized gradient that grad_clip leaves alone
 
     def check(self):
         if not self.beta_start > 0:
@@ -57,6 +69,8 @@ class Loss:
         log_z = -delta.detach().mean(dim=1, keepdim=True)  # [G, 1] VarGrad: no learned log Z
         per_seq = (log_z + delta) ** 2  # [G, K]
         loss = per_seq.sum() / mb.batch_sequences
+        if self.cfg.normalize:
+            loss = loss * (beta * beta / 2)
         with torch.no_grad():
             metrics = {
                 "loss/tb": per_seq.mean().item(),

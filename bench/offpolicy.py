@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from launch.summary import completed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ETAS = (0, 2, 8)
 VARIANTS = {  # name -> overrides; each runs at every eta
@@ -36,7 +38,7 @@ COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.
 
 def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:
     sweep_dir = os.path.join(out, name)
-    if all(_complete(os.path.join(sweep_dir, _subdir(e, s)), steps) for e in etas for s in seeds):
+    if all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for e in etas for s in seeds):
         print(f"{name}: done before, kept", flush=True)
         return
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
@@ -50,15 +52,6 @@ def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: 
 
 def _subdir(eta: int, seed: int) -> str:
     return f"eta={eta},seed={seed}"
-
-
-def _complete(run_dir: str, steps: int) -> bool:
-    path = os.path.join(run_dir, "summary.json")
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        summary = json.load(f)
-    return summary.get("status") == "completed" and summary.get("steps") == steps
 
 
 def load(run_dir: str) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from buffer.cores import Cores
 from buffer.ring import TrajectoryRing
 from buffer.staleness import StalenessGate
 
@@ -74,6 +75,7 @@ class Shared:
     weights: object  # the plan's weight path (engines.base.WeightPath), trainer -> engines
     counters: WorkerCounters
     stop: StopFlag
+    cores: Cores | None = None  # who uses the CPU cores now (None: nobody changes thread counts)
 
     def reclaim(self, worker: int) -> int:
         """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered are

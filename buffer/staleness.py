@@ -61,6 +61,10 @@ class StalenessGate:
     def started(self) -> int:
         return int(self._counts[STARTED])
 
+    def exhausted(self) -> bool:
+        """No group may start until the next `set_version`."""
+        return not self._has_budget()
+
     def _has_budget(self) -> bool:
         started, version = self._counts.tolist()
         return started + 1 <= started_limit(version, self.max_staleness, self.batch_groups)

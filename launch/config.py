@@ -33,7 +33,9 @@ class ClusterConfig:
     plan: str = "auto"  # auto | cpu | gpu: where generation and training run (auto: gpu when torch sees CUDA)
     rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
     trainer_ranks: int = 1  # FSDP2 training processes (CPU plan; on the GPU plan, one per training GPU)
-    threads_per_process: int = 1  # torch threads per process, so the cores are not oversubscribed
+    # torch threads per process. 0 (auto): on the CPU plan the cores go to the side that is working, changed at
+    # step boundaries from the run's state (buffer/cores.py); 1 on the GPU plan. N: every process N, always
+    threads_per_process: int = 0
     max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops (CPU plan)
     oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
     # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):
@@ -49,7 +51,8 @@ class ClusterConfig:
         _require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
         _require(self.rollout_workers >= 1, "cluster.rollout_workers", "must be >= 1", self.rollout_workers)
         _require(self.trainer_ranks >= 1, "cluster.trainer_ranks", "must be >= 1", self.trainer_ranks)
-        _require(self.threads_per_process >= 1, "cluster.threads_per_process", "must be >= 1", self.threads_per_process)
+        _require(self.threads_per_process >= 0, "cluster.threads_per_process", "must be >= 0 (0: auto)",
+                 self.threads_per_process)
         _require(self.max_restarts >= 0, "cluster.max_restarts", "must be >= 0", self.max_restarts)
         _require(self.gen_gpus >= 0 and self.train_gpus >= 0 and self.tp_size >= 0, "cluster.gen_gpus",
                  "cluster.train_gpus and cluster.tp_size must be >= 0", (self.gen_gpus, self.train_gpus, self.tp_size))
@@ -93,7 +96,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    batch_groups: int = 8  # B: prompts (groups of K) per optimizer step
+    batch_groups: int = 4  # B: prompts (groups of K) per optimizer step (4: fastest to reward, bench/time_to_reward.py)
     # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
     # version advances, once per batch (so max_staleness still counts batches)
     minibatches: int = 1
@@ -153,7 +156,7 @@ class RewardConfig:
 @dataclass
 class BufferConfig:
     sampler: str = "auto"  # auto (the loss's own choice: tba for tb, fifo otherwise) | fifo | tba
-    recent_prob: float = 0.5  # tba: chance that a group is the newest data rather than a replay
+    recent_prob: float = 0.95  # tba: chance that a group is the newest data rather than a replay (TBA's GSM8K value)
     inv_temp: float = 1.0  # tba: replay draws completions with probability ~ exp(inv_temp * reward)
     per_prompt_capacity: int = 64  # tba: newest completions kept per prompt
 
@@ -180,7 +183,9 @@ class CheckpointConfig:
 class Config:
     steps: int = 30  # optimizer steps to run
     seed: int = 0  # fixes data order, sampling and initialisation
-    max_staleness: int = 2  # eta: how many versions older than the learner the data may be (0 = synchronous)
+    # eta: how many versions older than the learner the data may be (0 = synchronous). 0: on shared CPU cores the
+    # fastest to reward (bench/time_to_reward.py); asynchrony pays where generation and training do not share them
+    max_staleness: int = 0
     progress: bool = True  # progress bar on stderr (plain lines when stderr is not a terminal)
     logger: str = "none"  # none | tensorboard | wandb (W&B: $WANDB_MODE, else online if logged in, else offline)
     resume: str = ""  # a run directory: continue it in place from its latest checkpoint
@@ -209,7 +214,7 @@ class Config:
                  "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
                  self.buffer.per_prompt_capacity)
         c = self.cluster
-        threads = (c.rollout_workers + c.trainer_ranks) * c.threads_per_process
+        threads = (c.rollout_workers + c.trainer_ranks) * max(c.threads_per_process, 1)
         cores = len(os.sched_getaffinity(0))
         _require(c.plan == "gpu" or c.oversubscribe or threads <= cores, "cluster.rollout_workers",
                  f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "

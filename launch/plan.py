@@ -122,12 +122,26 @@ class CPUPlan:
         """CPU engines claim no memory that the trainers must leave them: the trainers start at once."""
 
 
+def cores_for(cluster, plan: Plan, max_staleness: int):
+    """Who gets the cores (buffer/cores.py): shared by phase on the CPU plan with threads_per_process=0, else
+    a fixed count per process (1 on the GPU plan, whose processes compute on the GPU)."""
+    from buffer.cores import Cores
+
+    workers, ranks = plan.rollout_workers, plan.trainer_ranks
+    fixed = cluster.threads_per_process or (0 if isinstance(plan, CPUPlan) else 1)
+    return Cores(len(os.sched_getaffinity(0)), workers, ranks, max_staleness, fixed)
+
+
+def quiet_libraries() -> None:
+    """Before loading anything: no tokenizer threads beside ours, one progress bar (ours), not one per load."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def pin_threads(threads: int) -> None:
-    """Before spawning: children inherit these, so each process uses `threads` cores and no more."""
+    """Before spawning: children inherit these, so no process's thread pools grow past `threads`."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one progress bar (ours), not one per load
 
 
 def free_port() -> int:

@@ -100,25 +100,27 @@ def test_grpo_matches_reference(dr_grpo):
 
 # ---- TB ----
 
-def tb_reference(mb, beta, normalize=False):
+def tb_reference(mb, beta, length_normalize=False, normalize=True):
     lp, ref, r, n = rows(mb, "logprobs"), rows(mb, "ref_logprobs"), mb.rewards.tolist(), len(mb.rewards)
-    norm = [LENGTHS[i] if normalize else 1 for i in range(n)]
+    norm = [LENGTHS[i] if length_normalize else 1 for i in range(n)]
+    scale = beta * beta / 2 if normalize else 1.0
     delta = [(seq_sum(lp, i) - seq_sum(ref, i)) / norm[i] - r[i] / beta for i in range(n)]
     log_z = [-sum(delta[g * K:(g + 1) * K]) / K for g in range(n // K)]
     loss, grad = 0.0, [[0.0] * T for _ in range(n)]
     for i in range(n):
         resid = log_z[i // K] + delta[i]
-        loss += resid ** 2 / n
+        loss += scale * resid ** 2 / n
         for t in range(LENGTHS[i]):
-            grad[i][t] = 2 * resid / norm[i] / n  # log Z is a constant: no term through it
+            grad[i][t] = scale * 2 * resid / norm[i] / n  # log Z is a constant: no term through it
     return loss, grad, log_z
 
 
-@pytest.mark.parametrize("normalize", [False, True])
-def test_tb_matches_reference_with_log_z_as_minus_mean_delta(normalize):
+@pytest.mark.parametrize("length_normalize, normalize", [(False, True), (True, True), (False, False)])
+def test_tb_matches_reference_with_log_z_as_minus_mean_delta(length_normalize, normalize):
     mb = make_mb(REWARDS)
-    want_loss, want_grad, log_z = tb_reference(mb, 0.5, normalize)
-    loss, grad, metrics = run(algos.get("tb"), mb, beta_start=0.5, beta_end=0.5, length_normalize=normalize)
+    want_loss, want_grad, log_z = tb_reference(mb, 0.5, length_normalize, normalize)
+    loss, grad, metrics = run(algos.get("tb"), mb, beta_start=0.5, beta_end=0.5, length_normalize=length_normalize,
+                              normalize=normalize)
     assert_close(loss, grad, want_loss, want_grad)
     assert metrics["tb/log_z"] == pytest.approx(sum(log_z) / len(log_z))
     assert metrics["tb/beta"] == 0.5

@@ -86,7 +86,7 @@ def test_every_rule_and_task_has_a_preset_and_back():
 
 def test_the_composed_default_is_the_schema():
     cfg = parse(compose([]))
-    assert cfg.algo == algos.get("tb").Config() and cfg.task == tasks.get("arithmetic").Config()
+    assert cfg.algo == algos.get("ppo").Config() and cfg.task == tasks.get("arithmetic").Config()
     for name in SECTIONS:
         assert getattr(cfg, name) == getattr(Config(), name), name
     assert (cfg.steps, cfg.seed, cfg.max_staleness) == (Config.steps, Config.seed, Config.max_staleness)
@@ -112,7 +112,8 @@ TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
     (["reward.timeout=1"], "unknown config key 'reward.timeout'"),
     (["eval.evry=1"], "unknown config key 'eval.evry'"),
     (["checkpoint.keeep=1"], "unknown config key 'checkpoint.keeep'"),
-    (["algo.beta=1"], "unknown config key 'algo.beta' for algo=tb"),
+    (["algo=tb", "algo.beta=1"], "unknown config key 'algo.beta' for algo=tb"),
+    (["algo.beta_start=1"], "unknown config key 'algo.beta_start' for algo=ppo"),
     (["algo=grpo", "algo.beta_start=1"], "unknown config key 'algo.beta_start' for algo=grpo"),
     (["-m", "algo=tb,grpo", "algo.clip_eps=0.1"], "unknown config key 'algo.clip_eps' for algo=tb"),
     (["task.max_operands=3"], "unknown config key 'task.max_operands' for task=arithmetic"),

@@ -48,7 +48,7 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     from launch.gpu import GPUPlan
     from tests.helpers import TINY
 
-    cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3",
+    cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3", "max_staleness=2",
                                                 "eval.max_examples=2", "progress=false", "train.lr=1e-2",
                                                 "task.reward=tests.toy_rewards:length_parity", *TINY)
     plan = GPUPlan(plan_layout(1), bucket_mb=1, checkpointing=True, device_type="cpu",

@@ -133,7 +133,7 @@ def test_minibatches_must_divide_the_batch_and_the_ranks():
     from launch.config import ClusterConfig, Config
 
     with pytest.raises(ValueError, match=r"config key 'train.minibatches' must divide train.batch_groups=8"):
-        TrainConfig(minibatches=3).check()
+        TrainConfig(batch_groups=8, minibatches=3).check()
     cfg = Config(train=TrainConfig(batch_groups=4, minibatches=4), cluster=ClusterConfig(trainer_ranks=2,
                                                                                         oversubscribe=True))
     with pytest.raises(ValueError, match=r"must be divisible by cluster.trainer_ranks=2 times train.minibatches=4"):

@@ -28,6 +28,8 @@ def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     assert _values(_rows(a)) == _values(_rows(b))  # reproducible
     assert len({r["loss"] for r in _rows(a)}) > 1  # and not trivially so
+    # synchronous: every step has the cores to itself (buffer/cores.py), so the count never moves
+    assert {r["perf/train_threads"] for r in _rows(a)} == {len(os.sched_getaffinity(0))}
 
     first = run_train(c, f"model.path={tiny_model_dir}", "steps=2", *SYNC, *TINY)
     assert first.returncode == 0, first.stderr[-3000:]

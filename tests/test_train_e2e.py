@@ -28,10 +28,12 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
         assert all(k in row for k in KEYS), row
         assert all(isinstance(v, (int, float)) for v in row.values())
     assert "eval_pass@1" in rows[-1] and 0 <= rows[-1]["eval_pass@1"] <= 1  # evaluated at the end
+    assert all(1 <= r["perf/train_threads"] <= len(os.sched_getaffinity(0)) for r in rows)  # buffer/cores.py
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
     assert (tmp_path / "config.yaml").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
+    assert "time_to_reward_0.8" in summary and "step_to_reward_0.9" in summary
     # the whole run's memory: more than one process's worth, less than the machine
     assert 0 < summary["peak_memory_mb"] < 24 * 1024
     assert shm_files() <= before
@@ -193,7 +195,7 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("rollout.group_sise=4", "unknown config key 'rollout.group_sise'"),
     ("train.lrr=1", "unknown config key 'train.lrr' (known: autocast, batch_groups, compile, grad_clip, lr,"),
     ("rollout.groupsize=4", "unknown config key 'rollout.groupsize'"),
-    ("algo.beta=1", "unknown config key 'algo.beta' for algo=tb (known: beta_end, beta_start,"),
+    ("algo=tb algo.beta=1", "unknown config key 'algo.beta' for algo=tb (known: beta_end, beta_start,"),
     ("algo=grpo algo.clip_epz=0.2", "unknown config key 'algo.clip_epz' for algo=grpo"),
     ("algo=nope", "unknown algo 'nope'"),
     ("task=nope", "unknown task 'nope'"),

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import algos
+from buffer.cores import Threads, step_runs_alone
 from buffer.replay import ReplayBuffer
 from buffer.shared import Shared
 from buffer.staleness import lag, too_old
@@ -85,6 +86,7 @@ class _Loop:
         if start_step:
             elapsed = self._restore(init_path)
         self.saved = start_step  # the newest checkpoint's step
+        self.threads = Threads()
         self.start = time.time() - elapsed
 
     def run(self) -> None:
@@ -96,6 +98,8 @@ class _Loop:
             if self.lead:
                 t0 = time.time()
                 try:
+                    if shared.cores is not None:
+                        shared.cores.trainer_waiting()
                     fresh, dropped = self._take_fresh(version)
                     wait_time = time.time() - t0
                     batch = pack(self.replay.sample(self.batch_groups, version))
@@ -103,7 +107,7 @@ class _Loop:
                     info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
                             "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
                             **self.replay.stats(), **_staleness(fresh, version)}
-                    payload = (batch, info)
+                    payload = (batch, info, self._step_threads())
                 except Stopped:
                     pass
             payload = _broadcast(payload)
@@ -111,18 +115,23 @@ class _Loop:
                 if version > self.saved:  # Ctrl-C / SIGTERM: keep what was learned since the last checkpoint
                     self.save(version)
                 raise Stopped
-            batch, info = payload
+            batch, info, threads = payload
+            self.threads.set(threads)
             t0 = time.time()
             metrics = self.learner.step(batch, step)
             train_time = time.time() - t0
             self.learner.publish(self.publish, step)
+            if shared.cores is not None:
+                self.threads.set(shared.cores.trainer_after_step())
             if self.lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
-                shared.gate.set_version(step)  # after publishing: new groups must start on the new weights
                 results = {}
-                if step == self.steps or (self.eval_every and step % self.eval_every == 0):
-                    t_eval = time.time()
-                    results = self.evaluate(step, shared.stop)
-                    results["perf/eval_s"] = time.time() - t_eval  # training waits for it
+                evaluating = step == self.steps or (self.eval_every and step % self.eval_every == 0)
+                # Synchronous: evaluate before generation may start, on every core; asynchronous: beside it.
+                if evaluating and self.max_staleness == 0:
+                    results = self._evaluate(step)
+                shared.gate.set_version(step)  # after publishing: new groups must start on the new weights
+                if evaluating and self.max_staleness > 0:
+                    results = self._evaluate(step)
                 now, tokens = time.time(), shared.counters.total("tokens")
                 self.log.log({
                     "step": step, "time_s": round(now - self.start, 3),
@@ -133,7 +142,7 @@ class _Loop:
                     "reward/batch_mean": batch.rewards.mean().item(),
                     "reward/timeouts": shared.counters.total("reward_timeouts"),
                     "reward/errors": shared.counters.total("reward_errors"),
-                    "perf/train_step_s": train_time, "perf/wait_s": wait_time,
+                    "perf/train_step_s": train_time, "perf/wait_s": wait_time, "perf/train_threads": threads,
                     "perf/completion_len": batch.mask.sum(1).mean().item(),
                     **{f"rollout/{name}": shared.counters.total(name) for name in WORKER_COUNTERS},
                     **info, **metrics, **results,
@@ -142,6 +151,20 @@ class _Loop:
             every, at_end = self.checkpoint_cfg.every, self.checkpoint_cfg.at_end
             if (step == self.steps and at_end) or (every and step % every == 0):
                 self.save(step)
+
+    def _evaluate(self, step: int) -> dict:
+        t_eval = time.time()
+        results = self.evaluate(step, self.shared.stop)
+        results["perf/eval_s"] = time.time() - t_eval  # training waits for it
+        return results
+
+    def _step_threads(self) -> int:
+        """Rank 0, the batch in hand: each rank's thread count for this step (buffer/cores.py)."""
+        shared = self.shared
+        if shared.cores is None:
+            return torch.get_num_threads()
+        in_flight = shared.counters.total("started") - shared.counters.total("groups")
+        return shared.cores.trainer_step(step_runs_alone(shared.gate.exhausted(), in_flight))
 
     def save(self, step: int) -> None:
         self.saved = step
