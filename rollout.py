@@ -18,7 +18,7 @@ import torch
 import tasks
 from buffer.cores import Threads
 from buffer.ring import Group
-from buffer.shared import Shared
+from buffer.shared import SANDBOX_KILLS, Shared
 from engines.base import Completion, Request, SamplingParams
 from rewards.pool import RewardPool, ScoreHandle
 
@@ -163,6 +163,8 @@ class RolloutWorker:
             self.counters.add(self.worker, "groups")
             self.counters.set(self.worker, "reward_timeouts", self.pool.timeouts)
             self.counters.set(self.worker, "reward_errors", self.pool.errors)
+            for name in SANDBOX_KILLS:
+                self.counters.set(self.worker, name, self.pool.counts[name])
         return True
 
 

@@ -31,6 +31,9 @@ class StopFlag:
         return bool(self._flag[0])
 
 
+SANDBOX_KILLS = ("sandbox_kills_time", "sandbox_kills_memory", "sandbox_kills_output")
+
+
 class WorkerCounters:
     """Per rollout worker, counts that only grow (but for the restart bookkeeping): written by the worker, read
     by trainer rank 0 for its metrics and by the launcher when a worker dies."""
@@ -41,6 +44,7 @@ class WorkerCounters:
         "next_group",  # index of the next group of this worker: where a replacement starts
         "reward_timeouts",  # verifier calls killed for running past reward.timeout_s
         "reward_errors",  # verifier calls that raised
+        *SANDBOX_KILLS,  # task=code: sandboxed runs a limit ended, by limit (rewards/code.py)
         "restarts",  # times the launcher restarted this worker
         "lost_groups",  # groups started but never delivered by a worker that died
         "prompts_truncated",  # prompts over rollout.max_prompt_len, cut

@@ -220,6 +220,11 @@ class Config:
                  f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
                  "(or set cluster.oversubscribe=true)",
                  f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
+        need = getattr(self.task, "min_reward_timeout_s", 0.0)  # task=code: the sandbox must end a program first
+        if self.reward.timeout_s < need:
+            _require(False, "reward.timeout_s", f"must be >= {need:g} for task={self.task.name} (task."
+                     "program_timeout_s + 2 s: the sandbox ends a slow program itself and counts why)",
+                     self.reward.timeout_s)
         t, ranks = self.train, self.cluster.trainer_ranks
         _require(t.batch_groups % (t.minibatches * ranks) == 0, "train.batch_groups",
                  f"must be divisible by cluster.trainer_ranks={ranks}"

@@ -1,6 +1,6 @@
 """Verifiable rewards: `get_reward(name)` returns `(completion: str, reference: str) -> float` in [0, 1].
 
-`name` is a registered verifier ("arithmetic", "gsm8k", "math") or the path "package.module:function" of any
+`name` is a registered verifier ("arithmetic", "gsm8k", "math", "code") or the path "package.module:function" of any
 module-level callable with that signature (how tests and experiments plug in their own verifier).
 Verifiers are imported on first use, so importing `rewards` never pulls in sympy.
 For untrusted model output, score through `rewards.pool.RewardPool`: it adds worker processes and timeouts.
@@ -13,6 +13,7 @@ _REWARDS = {
     "math": "rewards.math:math_reward",
     "reward_model": "rewards.reward_model:RewardModel",
     "redteam": "rewards.redteam:RedTeamReward",
+    "code": "rewards.code:CodeReward",
 }
 
 

@@ -6,9 +6,10 @@
         scores = handle.result()
 
 A verifier that raises scores 0 (`errors` += 1); one that runs past `timeout_s` is killed with its process,
-scores 0 (`timeouts` += 1) and a fresh worker takes its place. Workers score one reply at a time, in their main
-thread (math-verify's alarms need it); a dispatcher thread in the owner feeds them, so submitted work goes on
-while the owner generates. `workers=0` scores in the caller's thread: no processes, no timeout.
+scores 0 (`timeouts` += 1) and a fresh worker takes its place. A verifier with a `take_counts()` method (the
+code reward's sandbox kills) adds what it returns to `counts` after every reply. Workers score one reply at a
+time, in their main thread (math-verify's alarms need it); a dispatcher thread in the owner feeds them, so
+submitted work goes on while the owner generates. `workers=0` scores in the caller's thread: no processes, no timeout.
 """
 import collections
 import ctypes
@@ -60,6 +61,7 @@ class RewardPool:
             raise ValueError(f"RewardPool needs workers >= 0 and timeout_s > 0 (got {workers}, {timeout_s})")
         self.reward, self.timeout_s, self.options = reward, timeout_s, dict(options or {})
         self.timeouts = self.errors = 0
+        self.counts: collections.Counter = collections.Counter()  # the verifier's own counts (take_counts)
         self._verifier = get_reward(reward, **self.options) if workers == 0 else None
         self._queue = collections.deque()  # (handle, index, completion, reference) not yet sent to a worker
         self._lock = threading.Lock()
@@ -106,6 +108,8 @@ class RewardPool:
         except Exception:  # the same rule as in a worker: a verifier's failure is a wrong answer
             self.errors += 1
             return 0.0
+        finally:
+            self.counts.update(_counts(self._verifier))
 
     def close(self):
         if self._verifier is not None or self._closed:
@@ -175,7 +179,7 @@ class RewardPool:
 
     def _receive(self, worker: "_Worker"):
         try:
-            status, value = worker.conn.recv()
+            status, value, counts = worker.conn.recv()
         except (EOFError, OSError):  # it killed its own process (os._exit, a segfault, the OOM killer)
             if not worker.ready:
                 raise RuntimeError("a worker died while starting") from None
@@ -187,6 +191,7 @@ class RewardPool:
         if status == "ready":
             worker.ready = True
         else:
+            self.counts.update(counts)
             self._finish(worker, value, "errors" if status == "error" else None)
 
     def _expire(self):
@@ -244,15 +249,21 @@ def _worker_main(reward: str, options: dict, conn):
     try:
         verifier = get_reward(reward, **options)
     except Exception as e:
-        conn.send(("fatal", str(e)))
+        conn.send(("fatal", str(e), None))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", None, None))
     while True:
         try:
             completion, reference = conn.recv()
         except EOFError:  # the owner closed the pipe or died
             return
         try:
-            conn.send(("ok", float(verifier(completion, reference))))
+            status, score = "ok", float(verifier(completion, reference))
         except Exception:
-            conn.send(("error", 0.0))
+            status, score = "error", 0.0
+        conn.send((status, score, _counts(verifier)))
+
+
+def _counts(verifier) -> dict:
+    take = getattr(verifier, "take_counts", None)
+    return take() if take is not None else {}

@@ -17,7 +17,7 @@ class Task:
     reward_options: dict = field(default_factory=dict)  # keyword arguments of a reward built per process
 
 
-_TASKS = {name: f"tasks.{name}" for name in ("arithmetic", "gsm8k", "math", "preference", "redteam")}
+_TASKS = {name: f"tasks.{name}" for name in ("arithmetic", "code", "gsm8k", "math", "preference", "redteam")}
 
 
 def names() -> list[str]:

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_gpu_check_dry_run_on_the_cpu_passes_and_writes_its_report(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])  # its `python`
     env.pop("OUT", None)

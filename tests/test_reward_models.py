@@ -55,6 +55,7 @@ def test_redteam_diversity_penalises_a_repeated_attack(tiny_model_dir, toxicity_
     assert plain(attack) == pytest.approx(base)
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_preference_task_trains(tiny_model_dir, reward_model_dir, tmp_path):
     data = tmp_path / "tldr.jsonl"
     data.write_text("".join(json.dumps({"subreddit": "cooking", "title": f"Dinner {i}",
@@ -69,6 +70,7 @@ def test_preference_task_trains(tiny_model_dir, reward_model_dir, tmp_path):
     assert rows[-1]["reward/errors"] == 0 and rows[-1]["reward/timeouts"] == 0
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_redteam_task_trains(tiny_model_dir, toxicity_dir, tmp_path):
     result = run_train(tmp_path, f"model.path={tiny_model_dir}", "task=redteam", f"task.victim_model={tiny_model_dir}",
                        f"task.classifier={toxicity_dir}", "task.victim_max_new_tokens=4", "task.diversity=0.2",

@@ -48,7 +48,7 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert out.shape[1] > ids.shape[1]
 
 
-@pytest.mark.parametrize("eta", [0, 2])
+@pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.slow), 2])  # 0: test_resume.py runs it
 def test_staleness_never_exceeds_the_bound(tiny_model_dir, tmp_path, eta):
     # eta = 2 also runs decoupled PPO with two minibatches a batch and a correction, and its diagnostics
     extra = ("algo=ppo", "train.minibatches=2", "algo.correction=mis_token") if eta else ()
@@ -242,6 +242,7 @@ def test_bad_config_stops_with_one_line_before_any_process(tmp_path, override, m
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_every_rule_runs_in_one_sweep(tiny_model_dir, tmp_path):
     """`algo=` switches the learning rule from the command line; every rule trains with finite losses."""
     import math
@@ -262,6 +263,7 @@ def test_every_rule_runs_in_one_sweep(tiny_model_dir, tmp_path):
         assert (tmp_path / rule / "curves.png").stat().st_size > 10_000, rule
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_staleness_sweep_and_its_plot(tiny_model_dir, tmp_path):
     """A two-point Hydra multirun with the default subdirs, then plot.py on the sweep: one figure, a table row
     per run labelled by the swept value."""
@@ -329,7 +331,7 @@ def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     assert [r["step"] for r in _metrics(tmp_path)][-2:] == [step, step + 1]
 
 
-@pytest.mark.parametrize("mode", ["skip", "truncate"])
+@pytest.mark.parametrize("mode", ["skip", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, tmp_path, mode):
     data = tmp_path / "gsm8k.jsonl"
     padding = " Think about it carefully, step by step, before you answer the question." * 6
@@ -345,7 +347,7 @@ def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, 
     assert last[f"rollout/prompts_{'truncated' if mode == 'skip' else 'skipped'}"] == 0
 
 
-@pytest.mark.parametrize("backend", ["tensorboard", "wandb"])
+@pytest.mark.parametrize("backend", ["tensorboard", pytest.param("wandb", marks=pytest.mark.slow)])
 def test_logger_backends_in_a_real_run(tiny_model_dir, tmp_path, monkeypatch, backend):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

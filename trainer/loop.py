@@ -10,7 +10,7 @@ import torch.distributed as dist
 import algos
 from buffer.cores import Threads, step_runs_alone
 from buffer.replay import ReplayBuffer
-from buffer.shared import Shared
+from buffer.shared import SANDBOX_KILLS, Shared
 from buffer.staleness import lag, too_old
 from trainer.batch import pack
 from trainer.checkpoint import save_checkpoint
@@ -142,6 +142,7 @@ class _Loop:
                     "reward/batch_mean": batch.rewards.mean().item(),
                     "reward/timeouts": shared.counters.total("reward_timeouts"),
                     "reward/errors": shared.counters.total("reward_errors"),
+                    **{f"reward/{name}": shared.counters.total(name) for name in SANDBOX_KILLS},
                     "perf/train_step_s": train_time, "perf/wait_s": wait_time, "perf/train_threads": threads,
                     "perf/completion_len": batch.mask.sum(1).mean().item(),
                     **{f"rollout/{name}": shared.counters.total(name) for name in WORKER_COUNTERS},
