@@ -80,6 +80,7 @@ class RolloutWorker:
         self.engine, self.sync, self.tokenizer, self.task, self.pool = engine, sync, tokenizer, task, pool
         self.shared, self.counters, self.evaluation = shared, shared.counters, evaluation
         self.threads = Threads()
+        self.heart = shared.heart(f"rollout-{worker}")
         self.stream = prompt_stream(len(task.train), worker, workers, seed)
         for _ in range(first_group):  # a resumed or restarted worker skips the prompts of groups delivered before
             next(self.stream)
@@ -88,8 +89,9 @@ class RolloutWorker:
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
     def run(self) -> None:
-        stop = self.shared.stop
+        stop, heart = self.shared.stop, self.heart
         while not stop.is_set():
+            heart.beat("load_weights")
             self.collect(self.sync())  # new weights, if any; an engine that interrupts requests may finish some
             if self.evaluation is not None:
                 for request in self.evaluation.poll(self.engine.version):
@@ -100,13 +102,18 @@ class RolloutWorker:
                 return  # stopped while the ring was full
             if self.engine.num_running() + self.engine.num_waiting() == 0:
                 if self.scoring:
+                    heart.beat("score")
                     time.sleep(0.005)  # nothing to generate; the oldest group is still being scored
-                elif self.shared.gate.wait_start(timeout=0.2):
-                    self.start_group()
+                else:
+                    heart.beat("wait_gate")
+                    if self.shared.gate.wait_start(timeout=0.2):
+                        self.start_group()
                 continue
             if self.shared.cores is not None:  # the cores go where the work is (buffer/cores.py)
                 self.threads.set(self.shared.cores.worker_threads())
+            heart.beat("generate")
             self.collect(self.engine.step())
+        heart.beat("done")
 
     def start_group(self) -> None:
         """A new group, already counted by the gate: K requests of the next prompt."""
@@ -158,6 +165,7 @@ class RolloutWorker:
             group = to_group(scored.completions, scored.rewards.result(), scored.prompt_index, scored.group_id,
                              self.worker)
             while not self.shared.ring.put(group, timeout=0.5):
+                self.heart.beat("ring_put")
                 if self.shared.stop.is_set():
                     return False
             self.counters.add(self.worker, "groups")

@@ -77,6 +77,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from transformers import AutoTokenizer
 
     import tasks
+    from buffer.heartbeat import Allowance, Heartbeats
     from buffer.ring import TrajectoryRing
     from buffer.shared import Shared, WorkerCounters
     from buffer.staleness import StalenessGate, lane_slots
@@ -99,7 +100,10 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
     # Every shared object exists before the first spawn; children receive them as arguments.
     # Each worker owns a lane of slots; one lane can hold every group the staleness bound lets it start.
-    sup = Supervisor()
+    hearts = Heartbeats([f"rollout-{w}" for w in range(workers)] + [f"trainer-{r}" for r in range(plan.trainer_ranks)])
+    c = cfg.cluster
+    sup = Supervisor(os.path.join(run_dir, "stacks"), hearts,
+                     Allowance(c.hang_timeout_s, c.slow_timeout_s, c.start_timeout_s))
     shared = Shared(
         ring=TrajectoryRing(workers * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
                             max_prompt_len, rollout.max_new_tokens, num_producers=workers),
@@ -107,7 +111,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         weights=plan.weights(_meta_model(model_path)),
         counters=WorkerCounters(workers),
         stop=sup.stop,
-        cores=cores)
+        cores=cores,
+        hearts=hearts)
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
     worker = dict(workers=workers, seed=cfg.seed, model_path=model_path, rollout=rollout, reward=cfg.reward,
                   task=cfg.task, stop_ids=stop_ids, max_prompt_len=max_prompt_len, evaluator=evaluator,
@@ -125,17 +130,22 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     error = None
     _print_notices()
 
+    delivered_at_start: dict[int, int] = {}  # groups worker w had delivered when its current process started
+
     def start_worker(w: int, first_group: int) -> None:
+        delivered_at_start[w] = shared.counters.get(w, "groups")
         sup.start(f"rollout-{w}", run_worker, dict(worker, worker=w, engine=engines[w], first_group=first_group),
                   cores.worker_threads())
 
     def restart_worker(name: str, message: str) -> bool:
-        """A rollout worker died: free what it held and start a new one where it stopped, up to max_restarts."""
+        """A rollout worker died or was stuck: free what it held and start a new one where it stopped, up to
+        max_restarts. One that never delivered a group (its set-up failed or hung) would only do it again: the
+        run stops with its error."""
         if not name.startswith("rollout-"):
             return False
         w = int(name.split("-")[1])
         restarts = shared.counters.get(w, "restarts")
-        if restarts >= plan.max_restarts:
+        if restarts >= plan.max_restarts or shared.counters.get(w, "groups") == delivered_at_start[w]:
             return False
         lost = shared.reclaim(w)
         print(f"warning: {message.splitlines()[0]}; restarting it ({restarts + 1}/{plan.max_restarts}), {lost} "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer.cores import Cores
+from buffer.heartbeat import Heartbeats, NoHeart
 from buffer.ring import TrajectoryRing
 from buffer.staleness import StalenessGate
 
@@ -80,6 +81,11 @@ class Shared:
     counters: WorkerCounters
     stop: StopFlag
     cores: Cores | None = None  # who uses the CPU cores now (None: nobody changes thread counts)
+    hearts: Heartbeats | None = None  # each process's last progress and phase (None: nobody watches)
+
+    def heart(self, name: str):
+        """`name`'s heartbeat (buffer/heartbeat.py), or one that goes nowhere when nobody watches."""
+        return self.hearts.of(name) if self.hearts is not None else NoHeart()
 
     def reclaim(self, worker: int) -> int:
         """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered are

@@ -37,6 +37,10 @@ class ClusterConfig:
     # step boundaries from the run's state (buffer/cores.py); 1 on the GPU plan. N: every process N, always
     threads_per_process: int = 0
     max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops (CPU plan)
+    hang_timeout_s: float = 300.0  # a process that makes no progress this long is stuck: named, dumped, killed
+    slow_timeout_s: float = 1800.0  # the same in phases that are legitimately long: evaluation, a checkpoint,
+    # the first training step (it may compile); buffer/heartbeat.py SLOW_PHASES
+    start_timeout_s: float = 1800.0  # the same for a process's start-up (imports, loading its model)
     oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
     # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):
     gen_gpus: int = 0  # GPUs running SGLang engines (0: half, in whole tensor-parallel groups)
@@ -54,6 +58,10 @@ class ClusterConfig:
         _require(self.threads_per_process >= 0, "cluster.threads_per_process", "must be >= 0 (0: auto)",
                  self.threads_per_process)
         _require(self.max_restarts >= 0, "cluster.max_restarts", "must be >= 0", self.max_restarts)
+        _require(self.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be > 0", self.hang_timeout_s)
+        for key in ("slow_timeout_s", "start_timeout_s"):
+            _require(getattr(self, key) >= self.hang_timeout_s, f"cluster.{key}",
+                     f"must be >= cluster.hang_timeout_s={self.hang_timeout_s}", getattr(self, key))
         _require(self.gen_gpus >= 0 and self.train_gpus >= 0 and self.tp_size >= 0, "cluster.gen_gpus",
                  "cluster.train_gpus and cluster.tp_size must be >= 0", (self.gen_gpus, self.train_gpus, self.tp_size))
         _require(0 <= self.mem_fraction_static < 1, "cluster.mem_fraction_static", "must be in [0, 1)",

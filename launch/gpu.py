@@ -114,5 +114,5 @@ class GPUPlan:
         model only once every engine is up (or a process has ended: the supervisor then says why)."""
         if not self.layout.time_shared:
             return
-        while not weights.engines_ready() and all(p.exitcode is None for p in sup.procs.values()):
+        while not weights.engines_ready() and not sup.ended():
             time.sleep(0.2)

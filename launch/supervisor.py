@@ -1,5 +1,14 @@
-"""Start worker processes with `spawn`, watch them, and shut everything down on any exit path."""
+"""Start worker processes with `spawn`, watch them, and shut everything down on any exit path.
+
+Watching covers processes that exit (a failure, a kill) and, with heartbeats (buffer/heartbeat.py), processes
+that are alive but stuck: one whose last beat is older than its phase allows is named in one line
+(`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
+(faulthandler, on SIGUSR1, after a SIGCONT in case it was stopped), and it is killed and handled like a
+process that died.
+"""
 import ctypes
+import errno
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -16,12 +25,17 @@ from buffer.shared import StopFlag
 from launch.memory import tree_pss_mb
 
 
-def _child_main(name, target, kwargs, errors, threads):
+def _child_main(name, target, kwargs, errors, threads, stack_pipe):
     _die_with_parent(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and tells us to stop
+    faulthandler.register(DUMP_SIGNAL, file=stack_pipe.fileno(), all_threads=True)  # the launcher reads it
     torch.set_num_threads(threads)
     try:
         target(**kwargs)
+    except OSError as e:
+        # A full disk is the user's to fix, and says all in one line; anything else carries its traceback.
+        errors.put((name, str(e) if e.errno == errno.ENOSPC else traceback.format_exc()))
+        sys.exit(1)
     except BaseException:
         errors.put((name, traceback.format_exc()))
         sys.exit(1)
@@ -42,12 +56,21 @@ def _die_with_parent(name: str):
         os._exit(1)
 
 
+DUMP_SIGNAL = signal.SIGUSR1
+
+
 class Supervisor:
-    def __init__(self):
+    def __init__(self, stacks_dir: str = "", hearts=None, allowance=None):
+        """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only), and
+        allowance: how long each phase may go without a beat (buffer.heartbeat.Allowance)."""
         self.ctx = mp.get_context("spawn")
         self.stop = StopFlag()
         self.errors = self.ctx.Queue()
+        self.stacks_dir, self.hearts = stacks_dir, hearts
+        self.allowance = allowance
         self.procs: dict[str, mp.Process] = {}
+        self.stack_pipes: dict[str, object] = {}  # our end of each process's faulthandler pipe
+        self.why: dict[str, str] = {}  # processes we killed for being stuck: the one line that says so
         self.essential: set[str] = set()  # processes whose clean exit means the run is done
         # Largest total memory of the launcher and all its processes. Reading it walks every process's page
         # tables (about 0.2 s for a SmolLM2 run's tree, 2 cores): sampled at most every second and so that it
@@ -60,9 +83,16 @@ class Supervisor:
         if name in self.procs:
             assert self.procs[name].exitcode is not None, f"{name} is still running"
             self.procs[name].join()
-        proc = self.ctx.Process(target=_child_main, args=(name, target, kwargs, self.errors, threads), name=name)
+        if name in self.stack_pipes:
+            self.stack_pipes.pop(name).close()
+        ours, theirs = self.ctx.Pipe(duplex=False)
+        if self.hearts is not None and name in self.hearts.names:
+            self.hearts.restart(name)
+        proc = self.ctx.Process(target=_child_main, args=(name, target, kwargs, self.errors, threads, theirs),
+                                name=name)
         proc.start()
-        self.procs[name] = proc
+        theirs.close()
+        self.procs[name], self.stack_pipes[name] = proc, ours
         if essential:
             self.essential.add(name)
 
@@ -74,11 +104,12 @@ class Supervisor:
             live = {p.sentinel: name for name, p in self.procs.items() if name not in finished}
             wait(list(live), timeout=1.0)
             self._sample_memory()
+            self._kill_stuck()
             for name, proc in list(self.procs.items()):
                 if name in finished or proc.exitcode is None:
                     continue
                 if proc.exitcode != 0:
-                    message = self._describe(name, proc.exitcode)
+                    message = self.why.pop(name, None) or self._describe(name, proc.exitcode)
                     if on_failure is not None and not self.stop.is_set() and on_failure(name, message):
                         continue
                     return message
@@ -87,6 +118,44 @@ class Supervisor:
                     return f"{name} exited before the run was done"
             if self.essential <= finished:
                 return None
+
+    def ended(self) -> bool:
+        """Has any process ended (stuck ones are ended here)? For waits outside `watch`, such as the GPU plan's
+        wait for its engines."""
+        self._kill_stuck()
+        return any(p.exitcode is not None for p in self.procs.values())
+
+    def _kill_stuck(self) -> None:
+        """Kill every live process whose heartbeat is too old, after dumping its stack; `why` says so."""
+        if self.hearts is None or self.stop.is_set():
+            return
+        for name, phase, age in self.hearts.stuck(self.allowance):
+            proc = self.procs.get(name)
+            if proc is None or proc.exitcode is not None:
+                continue
+            where = self.dump_stack(name)
+            proc.kill()
+            proc.join()
+            self.why[name] = f"{name} stuck in {phase} for {age:.0f} s" + (f" (its stack: {where})" if where else "")
+
+    def dump_stack(self, name: str) -> str | None:
+        """Write `name`'s Python stack (every thread) to stacks_dir; its path, or None if it gave none."""
+        proc, pipe = self.procs[name], self.stack_pipes[name]
+        try:
+            os.kill(proc.pid, signal.SIGCONT)  # a stopped process runs no handler
+            os.kill(proc.pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            return None
+        text, deadline = b"", time.monotonic() + 5.0
+        while time.monotonic() < deadline and pipe.poll(0.5 if text else deadline - time.monotonic()):
+            text += os.read(pipe.fileno(), 1 << 16)
+        if not text or not self.stacks_dir:
+            return None
+        os.makedirs(self.stacks_dir, exist_ok=True)
+        path = os.path.join(self.stacks_dir, f"{name}-{int(time.time())}.txt")
+        with open(path, "wb") as f:
+            f.write(text)
+        return path
 
     def _sample_memory(self) -> None:
         now = time.monotonic()
@@ -103,7 +172,11 @@ class Supervisor:
             except queue.Empty:
                 continue
             if who == name:
-                return f"{name} failed: {trace.strip().splitlines()[-1]}\n{trace}"
+                lines = trace.strip().splitlines()
+                return f"{name} failed: {lines[-1]}" + (f"\n{trace}" if len(lines) > 1 else "")
+        if exitcode == -signal.SIGKILL:  # we kill only at shutdown and when stuck, and say so there
+            return (f"{name} died (killed by SIGKILL: probably the kernel's out-of-memory killer; the run's "
+                    f"processes used up to {self.peak_mb:,.0f} MB)")
         if exitcode < 0:
             return f"{name} died (killed by {signal.Signals(-exitcode).name})"
         return f"{name} exited with code {exitcode}"
@@ -122,3 +195,5 @@ class Supervisor:
                 proc.join(timeout=3.0)
         self.errors.close()
         self.errors.join_thread()
+        for pipe in self.stack_pipes.values():
+            pipe.close()

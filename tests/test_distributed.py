@@ -74,15 +74,38 @@ def test_compiled_model_matches_eager_model(tiny_model_dir, tmp_path):
         assert torch.allclose(tensor, b["state"][name], atol=1e-5), name
 
 
-def test_trainer_collectives_outwait_a_long_evaluation():
-    """Ranks other than 0 sit in a broadcast while rank 0 evaluates: the group's timeout is not gloo's 30 min."""
-    from datetime import timedelta
+def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
+    """While rank 0 waits for data or evaluates, the other ranks wait for its posted step in shared memory,
+    beating, and enter the broadcast only then; the collective timeout is a backstop the group really has."""
+    import threading
+    import time
+    import types
 
+    from buffer.heartbeat import Allowance, Heartbeats
+    from buffer.shared import StopFlag
+    from trainer.loop import Stopped, _Loop
     from trainer.policy import COLLECTIVE_TIMEOUT, CPUPlacement
+
+    hearts, stop = Heartbeats(["trainer-0", "trainer-1"]), StopFlag()
+    rank1 = types.SimpleNamespace(shared=types.SimpleNamespace(hearts=hearts, stop=stop), heart=hearts.of("trainer-1"))
+    seen = []
+
+    def rank0_posts():  # after a second of "evaluation": was rank 1 still beating while it waited?
+        seen.extend(name for name, _, _ in hearts.stuck(Allowance(0.2, 0.2, 0.2)))
+        hearts.of("trainer-0").post_step(3)
+
+    threading.Timer(1.0, rank0_posts).start()
+    start = time.monotonic()
+    _Loop._wait_for_rank0(rank1, 3)
+    assert time.monotonic() - start >= 0.9 and hearts.phase("trainer-1") == "wait_rank0"
+    assert seen == ["trainer-0"]  # rank 0 never beat here; rank 1 beat within the last 0.2 s
+    stop.set()
+    with pytest.raises(Stopped):
+        _Loop._wait_for_rank0(rank1, 4)  # the launcher stopped the run while rank 0 never posted step 4
 
     CPUPlacement().init_process_group(0, 1, _port())
     try:
         timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
     finally:
         dist.destroy_process_group()
-    assert timeout == COLLECTIVE_TIMEOUT >= timedelta(hours=1)
+    assert timeout == COLLECTIVE_TIMEOUT

@@ -79,6 +79,7 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_gpu_plan_without_sglang_runs_the_built_in_engine_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     """The GPU plan with rollout.engine=builtin, as on a GPU without SGLang: the rollout process runs the built-in
     engine (here on the CPU, on a GPU the same code on CUDA), rank 0 ships each version in buckets that the

@@ -145,6 +145,15 @@ def test_console_without_a_terminal_prints_plain_lines(capfd, tmp_path):
     assert "gen_tok/s 300" in lines[1] and "train_tok/s 120" in lines[1] and "pass@1 0.500" in lines[1]
 
 
+def test_the_console_says_when_the_trainer_waits_for_data(capfd, tmp_path):
+    with MetricsLogger(str(tmp_path), "none", steps=3, progress=True, line_every_s=0) as log:
+        log.log(_row(1))
+        log.waiting(3.0, 0, 4)  # a short wait is a normal step's
+        log.waiting(42.4, 1, 4)
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines[1:] == ["waiting for data 42 s (1/4 groups)"]
+
+
 def test_console_without_a_terminal_throttles_to_first_and_last(capfd, tmp_path):
     with MetricsLogger(str(tmp_path), "none", steps=5, progress=True, line_every_s=3600) as log:
         for step in range(1, 6):

@@ -48,7 +48,8 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert out.shape[1] > ids.shape[1]
 
 
-@pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.slow), 2])  # 0: test_resume.py runs it
+@pytest.mark.slow  # in CI: tests/test_hang.py checks the bound (eta 1) across a worker restart
+@pytest.mark.parametrize("eta", [0, 2])
 def test_staleness_never_exceeds_the_bound(tiny_model_dir, tmp_path, eta):
     # eta = 2 also runs decoupled PPO with two minibatches a batch and a correction, and its diagnostics
     extra = ("algo=ppo", "train.minibatches=2", "algo.correction=mis_token") if eta else ()
@@ -118,6 +119,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.slow  # tests/test_hang.py finds rollout-0 and trainer-0 by these names, in CI
 def test_processes_carry_readable_names(tiny_model_dir, tmp_path):
     proc = _started_run(tmp_path, tiny_model_dir)
     try:
@@ -133,6 +135,7 @@ def test_processes_carry_readable_names(tiny_model_dir, tmp_path):
                 time.sleep(0.1)
 
 
+@pytest.mark.slow  # tests/test_hang.py replaces a stuck worker mid-run through the same path, in CI
 def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tiny_model_dir, tmp_path):
     # 60 steps: after the kill (at step 1) the run needs the replacement's groups for almost all of them
     proc = _started_run(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=1", "eval.every=0",
@@ -144,7 +147,7 @@ def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tiny_model_dir,
         raise
     stderr, _ = _signal_and_wait(proc, worker, signal.SIGKILL, 240)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "rollout-0 died (killed by SIGKILL); restarting it (1/1)" in stderr
+    assert "rollout-0 died (killed by SIGKILL" in stderr and "restarting it (1/1)" in stderr
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 61))
     assert rows[-1]["rollout/restarts"] == 1 and rows[-1]["rollout/lost_groups"] >= 0
@@ -163,7 +166,7 @@ def test_killed_rollout_worker_past_max_restarts_ends_the_run_cleanly(tiny_model
     stderr, took = _signal_and_wait(proc, worker, signal.SIGKILL, 30)
     assert took < 20
     assert proc.returncode != 0
-    assert "rollout-0 died (killed by SIGKILL)" in stderr
+    assert "rollout-0 died (killed by SIGKILL" in stderr
     time.sleep(0.5)
     assert not [p for p in family if alive(p)], "a child process outlived the run"
     assert shm_files() <= before
@@ -171,6 +174,7 @@ def test_killed_rollout_worker_past_max_restarts_ends_the_run_cleanly(tiny_model
     assert (tmp_path / "checkpoints").exists()  # what was learned before the failure is kept
 
 
+@pytest.mark.slow  # tests/test_hang.py stops a run for a stuck trainer; test_ctrl_c resumes one, in CI
 def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_path):
     proc = _started_run(tmp_path, tiny_model_dir, "checkpoint.every=1", steps=1000)
     try:
@@ -183,7 +187,7 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
         proc.kill()
         raise
     stderr, _ = _signal_and_wait(proc, trainer, signal.SIGKILL, 60)
-    assert proc.returncode == 1 and "trainer-0 died (killed by SIGKILL)" in stderr
+    assert proc.returncode == 1 and "trainer-0 died (killed by SIGKILL" in stderr
     time.sleep(0.5)
     assert not [p for p in family if alive(p)], "a child process outlived the run"
     step = _resume_one_more_step(tmp_path)
@@ -347,7 +351,8 @@ def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, 
     assert last[f"rollout/prompts_{'truncated' if mode == 'skip' else 'skipped'}"] == 0
 
 
-@pytest.mark.parametrize("backend", ["tensorboard", pytest.param("wandb", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the sinks themselves are tested in tests/test_logger.py
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb"])
 def test_logger_backends_in_a_real_run(tiny_model_dir, tmp_path, monkeypatch, backend):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

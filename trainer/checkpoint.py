@@ -6,6 +6,7 @@ positions, the policy version. The state holds tensors and plain Python values o
 A checkpoint is written into a hidden temporary folder and renamed into place, so a crash mid-write leaves
 the previous checkpoint intact and no half-written one under a `step_N` name.
 """
+import errno
 import json
 import os
 import re
@@ -34,13 +35,24 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
 
     tmp = os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.lm.save_pretrained(tmp, state_dict=weights)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
-    if state is not None:
-        torch.save(state, os.path.join(tmp, STATE_FILE))
-        with open(os.path.join(tmp, PROGRESS_FILE), "w") as f:  # what the launcher needs, without the 1 GB
-            json.dump({k: state[k] for k in ("step", "time_s", "next_group")}, f)
-    _fsync_dir(tmp)
+    try:
+        policy.lm.save_pretrained(tmp, state_dict=weights)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+        if state is not None:
+            torch.save(state, os.path.join(tmp, STATE_FILE))
+            with open(os.path.join(tmp, PROGRESS_FILE), "w") as f:  # what the launcher needs, without the 1 GB
+                json.dump({k: state[k] for k in ("step", "time_s", "next_group")}, f)
+        _fsync_dir(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written one; the previous checkpoint is untouched
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
+            gb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
+            full = OSError(f"no space left on the device for checkpoint step_{step} in {root} (the weights alone "
+                           f"are {gb:.1f} GB; the previous checkpoint is intact): free space, or set "
+                           "checkpoint.keep=1 or checkpoint.at_end=false")
+            full.errno = errno.ENOSPC
+            raise full from None
+        raise
     if os.path.exists(target):  # rewriting a step: move the old one aside first, so a crash keeps one of them
         old = os.path.join(root, f".old-step_{step}")
         shutil.rmtree(old, ignore_errors=True)

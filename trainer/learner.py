@@ -50,6 +50,7 @@ class Learner:
                                            fused=True)
         self.skipped = 0
         self.bad_in_row = 0
+        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (buffer/heartbeat.py)
 
     def step(self, batch: Batch, step: int) -> dict:
         """Train on `batch`, the data for policy version step - 1: `train.minibatches` optimizer steps, each a
@@ -108,6 +109,7 @@ class Learner:
         for batch, passes in zip(minibatches, plans):
             prox.append([])
             for start, stop in passes:
+                self.beat()
                 mb = batch.groups(start, stop).to(self.device)
                 with self._autocast():
                     logprobs, entropy = self.policy(*self._inputs(mb, entropy=True))
@@ -119,6 +121,7 @@ class Learner:
         world_size = self.rank.world_size
         total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
         for i, (start, stop) in enumerate(passes):
+            self.beat()
             mb = batch.groups(start, stop).to(self.device)
             with self._autocast():
                 out = self.policy(*self._inputs(mb, entropy=stats is not None))

@@ -26,6 +26,8 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"logger={backend} needs the {package} package: pip install {package}")
 
 
+WAIT_SHOWN_S = 10.0  # the console says the trainer is waiting for data once it has waited this long
+
 class MetricsLogger:
     """One row per optimizer step to `<run_dir>/metrics.jsonl` (appended, so a resumed run keeps its earlier
     rows), to a backend, and to the console.
@@ -58,6 +60,12 @@ class MetricsLogger:
             self.sink.log(values, int(row["step"]))
         if self.console is not None:
             self.console.update(row)
+
+    def waiting(self, seconds: float, have: int, need: int) -> None:
+        """Between steps: the trainer has waited `seconds` for fresh groups and has `have` of the `need`. Shown
+        on the console after WAIT_SHOWN_S, so that a slow run and a stuck one look different."""
+        if self.console is not None and seconds >= WAIT_SHOWN_S:
+            self.console.waiting(f"waiting for data {seconds:.0f} s ({have}/{need} groups)")
 
     def close(self) -> None:
         """Flush and release everything; safe to call twice (e.g. from a `finally` after an error)."""
@@ -176,6 +184,15 @@ class _Console:
             self.last_line = now
             head = f"step {row.get('step')}/{self.steps}"
             print("  ".join([head] + [f"{k} {v}" for k, v in fields]), file=sys.stderr, flush=True)
+
+    def waiting(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)  # the next step's figures replace it
+            return
+        now = time.monotonic()
+        if now - self.last_line >= self.every_s:
+            self.last_line = now
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

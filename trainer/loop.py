@@ -52,9 +52,10 @@ def run(*, rank: Rank, shared: Shared, model_path: str, run_dir: str, seed: int,
                 evaluate = stack.enter_context(evaluator.open(model_path, shared.weights, data, eval_spec))
             replay = ReplayBuffer.from_config(buffer, _sampler(buffer.sampler, algo.name), seed)
             log = stack.enter_context(_logger(lead, run_dir, logger, steps, progress, config, start_step))
-            _Loop(learner, publish, replay, shared, evaluate, log, lead=lead, model_path=model_path, run_dir=run_dir,
-                  steps=steps, max_staleness=max_staleness, batch_groups=train.batch_groups, workers=workers,
-                  eval_every=eval.every, checkpoint=checkpoint, init_path=init_path, start_step=start_step).run()
+            _Loop(learner, publish, replay, shared, evaluate, log, rank=rank.rank, model_path=model_path,
+                  run_dir=run_dir, steps=steps, max_staleness=max_staleness, batch_groups=train.batch_groups,
+                  workers=workers, eval_every=eval.every, checkpoint=checkpoint, init_path=init_path,
+                  start_step=start_step).run()
     except Stopped:
         pass
     finally:
@@ -72,12 +73,13 @@ def _logger(lead: bool, run_dir: str, backend: str, steps: int, progress: bool, 
 class _Loop:
     """The optimizer steps of one rank, from `start_step` to `steps`; rank 0 also feeds, logs and evaluates."""
 
-    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, shared: Shared, evaluate, log, *, lead: bool,
+    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, shared: Shared, evaluate, log, *, rank: int,
                  model_path: str, run_dir: str, steps: int, max_staleness: int, batch_groups: int, workers: int,
                  eval_every: int, checkpoint: "CheckpointConfig", init_path: str, start_step: int):
         self.learner, self.publish, self.replay, self.shared = learner, publish, replay, shared
         self.evaluate, self.log = evaluate, log
-        self.lead, self.model_path, self.run_dir, self.steps = lead, model_path, run_dir, steps
+        self.lead, self.model_path, self.run_dir, self.steps = rank == 0, model_path, run_dir, steps
+        self.heart = shared.heart(f"trainer-{rank}")
         self.max_staleness, self.batch_groups, self.workers = max_staleness, batch_groups, workers
         self.eval_every, self.checkpoint_cfg, self.start_step = eval_every, checkpoint, start_step
         # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
@@ -110,6 +112,10 @@ class _Loop:
                     payload = (batch, info, self._step_threads())
                 except Stopped:
                     pass
+                self.heart.post_step(step)
+            else:
+                self._wait_for_rank0(step)
+            self.heart.beat("collective")
             payload = _broadcast(payload)
             if payload is None:
                 if version > self.saved:  # Ctrl-C / SIGTERM: keep what was learned since the last checkpoint
@@ -117,9 +123,12 @@ class _Loop:
                 raise Stopped
             batch, info, threads = payload
             self.threads.set(threads)
+            phase = "first_step" if step == self.start_step + 1 else "train_step"  # the first may compile
+            self.learner.beat = lambda: self.heart.beat(phase)
             t0 = time.time()
             metrics = self.learner.step(batch, step)
             train_time = time.time() - t0
+            self.heart.beat("publish")
             self.learner.publish(self.publish, step)
             if shared.cores is not None:
                 self.threads.set(shared.cores.trainer_after_step())
@@ -152,12 +161,25 @@ class _Loop:
             every, at_end = self.checkpoint_cfg.every, self.checkpoint_cfg.at_end
             if (step == self.steps and at_end) or (every and step % every == 0):
                 self.save(step)
+        self.heart.beat("done")
 
     def _evaluate(self, step: int) -> dict:
+        self.heart.beat("evaluate")
         t_eval = time.time()
         results = self.evaluate(step, self.shared.stop)
         results["perf/eval_s"] = time.time() - t_eval  # training waits for it
         return results
+
+    def _wait_for_rank0(self, step: int) -> None:
+        """Ranks > 0: rank 0 may take minutes (waiting for data, evaluating) before it broadcasts `step`'s batch.
+        Wait for its word here, beating, so that the collective itself never waits long and a rank stuck in
+        one is told apart from a rank waiting its turn."""
+        hearts = self.shared.hearts
+        while hearts is not None and hearts.step("trainer-0") < step:
+            if self.shared.stop.is_set():
+                raise Stopped
+            self.heart.beat("wait_rank0")
+            time.sleep(0.01)
 
     def _step_threads(self) -> int:
         """Rank 0, the batch in hand: each rank's thread count for this step (buffer/cores.py)."""
@@ -168,6 +190,7 @@ class _Loop:
         return shared.cores.trainer_step(step_runs_alone(shared.gate.exhausted(), in_flight))
 
     def save(self, step: int) -> None:
+        self.heart.beat("checkpoint")
         self.saved = step
         state = {"step": step, "time_s": time.time() - self.start, "next_group": self.next_group,
                  "optimizer": self.learner.optimizer_state(), "skipped": self.learner.skipped,
@@ -192,12 +215,14 @@ class _Loop:
     def _take_fresh(self, version: int):
         """Move B fresh groups from the ring into the buffer; groups too old to train on are dropped (their
         budget goes back to the gate). Returns the groups taken and those dropped."""
-        shared, taken, dropped = self.shared, [], []
+        shared, taken, dropped, start = self.shared, [], [], time.monotonic()
         while len(taken) < self.batch_groups:
+            self.heart.beat("wait_data")
             group = shared.ring.get(timeout=0.5)
             if group is None:
                 if shared.stop.is_set():
                     raise Stopped
+                self.log.waiting(time.monotonic() - start, len(taken), self.batch_groups)
                 continue
             index = group.group_id // self.workers
             self.next_group[group.worker_id] = max(self.next_group.get(group.worker_id, 0), index + 1)

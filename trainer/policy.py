@@ -138,10 +138,11 @@ def full_state(policy: nn.Module):
         yield engine_name(name), value
 
 
-# How long a rank may wait in a collective. Ranks other than 0 wait in the broadcast of the next batch while
-# rank 0 waits for rollouts or an evaluation, which can outlast the backends' defaults (NCCL 10 min, gloo 30
-# min) on a big test split. A dead process is caught by the launcher's supervisor, not by this timeout.
-COLLECTIVE_TIMEOUT = timedelta(hours=4)
+# How long a rank may wait in a collective: a backstop only. Ranks other than 0 wait for rank 0's word in
+# shared memory, beating, before they enter the broadcast of the next batch (trainer/loop.py _wait_for_rank0),
+# so no collective spans rank 0's wait for rollouts or its evaluation; a rank stuck in one is caught by its
+# heartbeat (cluster.hang_timeout_s), a dead one by the supervisor.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:

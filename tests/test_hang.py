@@ -1,0 +1,225 @@
+"""No silent hang: heartbeats (buffer/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
+what a run does with a stuck process; a full disk at a checkpoint and the out-of-memory killer's kill."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from buffer.heartbeat import PHASES, Allowance, Heartbeats
+from launch.supervisor import Supervisor
+from tests.helpers import ROOT, TINY, alive, comm, descendants, shm_files, train_cmd
+
+
+def test_a_beat_older_than_its_phase_allows_is_stuck():
+    hearts = Heartbeats(["rollout-0", "trainer-0"])
+    rollout, trainer = hearts.of("rollout-0"), hearts.of("trainer-0")
+    rollout.beat("generate")
+    trainer.beat("evaluate")
+    now = time.monotonic()
+    allowance = Allowance(hang_s=10, slow_s=100, start_s=1000)
+    assert hearts.stuck(allowance, now=now + 5) == []
+    assert [(n, p) for n, p, _ in hearts.stuck(allowance, now=now + 50)] == [("rollout-0", "generate")]
+    assert [(n, p) for n, p, _ in hearts.stuck(allowance, now=now + 150)] == [("rollout-0", "generate"),
+                                                                                ("trainer-0", "evaluate")]
+    hearts.restart("rollout-0")  # a new process: start-up has its own allowance
+    assert [n for n, _, _ in hearts.stuck(allowance, now=time.monotonic() + 500)] == ["trainer-0"]
+    trainer.beat("done")  # a process that finished is never stuck
+    assert hearts.stuck(allowance, now=time.monotonic() + 500) == []
+    trainer.post_step(7)
+    assert hearts.step("trainer-0") == 7 and hearts.phase("trainer-0") == "done"
+    assert set(PHASES) >= {"generate", "wait_gate", "ring_put", "load_weights", "train_step", "publish", "evaluate",
+                           "checkpoint", "collective"}
+
+
+def test_beats_cross_spawn():
+    import multiprocessing as mp
+
+    hearts = Heartbeats(["rollout-0"])
+    proc = mp.get_context("spawn").Process(target=_beat_once, args=(hearts,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and hearts.phase("rollout-0") == "ring_put"
+
+
+def _beat_once(hearts):
+    hearts.of("rollout-0").beat("ring_put")
+
+
+def _beat_then_hang(hearts, name, stop_self):
+    hearts.of(name).beat("generate")
+    if stop_self:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _a_function_that_never_returns()
+
+
+def _a_function_that_never_returns():
+    while True:
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("stop_self", [False, True], ids=["sleeping", "SIGSTOPped"])
+def test_the_supervisor_names_dumps_and_kills_a_stuck_process(tmp_path, stop_self):
+    hearts = Heartbeats(["rollout-0"])
+    sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=2.0, slow_s=30.0, start_s=30.0))
+    try:
+        start = time.monotonic()
+        sup.start("rollout-0", _beat_then_hang, dict(hearts=hearts, name="rollout-0", stop_self=stop_self), 1,
+                  essential=True)
+        message = sup.watch()
+        took = time.monotonic() - start
+    finally:
+        sup.shutdown()
+    assert message.startswith("rollout-0 stuck in generate for ") and "\n" not in message
+    assert took < 30  # start-up (spawn, imports) under the slow allowance, then 2 s, then the dump
+    [stack] = os.listdir(tmp_path / "stacks")
+    assert stack.startswith("rollout-0-") and stack in message
+    assert "in _beat_then_hang" in (tmp_path / "stacks" / stack).read_text()
+
+
+def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
+    hearts = Heartbeats(["rollout-0"])
+    sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=1.0, slow_s=1.0, start_s=4.0))
+    try:
+        sup.start("rollout-0", _a_function_that_never_returns, {}, 1, essential=True)  # never beats: stays in "start"
+        time.sleep(2.0)
+        assert not sup.ended()  # start-up may take longer than hang_timeout_s
+        assert sup.watch().startswith("rollout-0 stuck in start for ")
+    finally:
+        sup.shutdown()
+
+
+def test_a_kill_nobody_asked_for_is_reported_as_probably_out_of_memory():
+    sup = Supervisor()
+    sup.peak_mb = 5915.0
+    try:
+        sup.start("rollout-0", _a_function_that_never_returns, {}, 1, essential=True)
+        time.sleep(0.5)
+        os.kill(sup.procs["rollout-0"].pid, signal.SIGKILL)
+        message = sup.watch()
+    finally:
+        sup.shutdown()
+    assert message == ("rollout-0 died (killed by SIGKILL: probably the kernel's out-of-memory killer; the run's "
+                       "processes used up to 5,915 MB)")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_previous_one(tiny_model_dir, tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import trainer.checkpoint as checkpoint
+
+    class Policy:
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    monkeypatch.setattr(checkpoint, "gathered_weights", lambda policy: dict(policy.lm.state_dict()))
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
+    state = {"step": 1, "time_s": 1.0, "next_group": {}}
+    checkpoint.save_checkpoint(Policy(), tiny_model_dir, str(tmp_path), 1, state)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError) as info:
+        checkpoint.save_checkpoint(Policy(), tiny_model_dir, str(tmp_path), 2, dict(state, step=2))
+    assert info.value.errno == errno.ENOSPC and "\n" not in str(info.value)
+    assert str(info.value).startswith("no space left on the device for checkpoint step_2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]  # no half-written one
+    assert checkpoint.latest_resumable(str(tmp_path))[0] == 1
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_1")
+
+
+# The real entry point: a process stopped by the operating system mid-run.
+
+HANG = ("cluster.hang_timeout_s=5", "eval.every=0", "progress=false")
+
+
+def _start(run_dir, model_dir, *overrides, steps=1000, first_row=True):
+    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *HANG, *overrides),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while first_row and not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return proc
+
+
+def _process(proc, name: str, timeout: float = 120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [p for p in descendants(proc.pid) if comm(p) == name]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {name} process")
+
+
+def _rows(run_dir):
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _stderr_at_end(proc, timeout: float = 120) -> str:
+    """The run's stderr once it ends; a run still going after `timeout` seconds is killed."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_stopped_rollout_worker_is_named_dumped_replaced_and_the_run_finishes(tiny_model_dir, tmp_path):
+    proc = _start(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=1", steps=8)
+    os.kill(_process(proc, "rollout-0"), signal.SIGSTOP)
+    stopped = time.time()
+    stderr = _stderr_at_end(proc, timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if "rollout-0 stuck in" in line)
+    assert "restarting it (1/1)" in line
+    seconds = int(line.split(" for ")[1].split(" s")[0])
+    assert 5 <= seconds <= 5 + 5  # hang_timeout_s, plus the watch's 1-second rounds, on a busy machine
+    [stack] = os.listdir(tmp_path / "stacks")
+    assert os.path.getmtime(tmp_path / "stacks" / stack) - stopped < 60
+    assert "File " in (tmp_path / "stacks" / stack).read_text()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert max(r["staleness_max"] for r in rows) <= 1 and rows[-1]["rollout/restarts"] == 1
+
+
+def test_a_stopped_trainer_stops_the_run_in_one_line_and_keeps_its_checkpoint(tiny_model_dir, tmp_path):
+    before = shm_files()
+    # slow phases (a checkpoint every step here) get 8 s: the stop may land in one
+    proc = _start(tmp_path, tiny_model_dir, "checkpoint.every=1", "cluster.slow_timeout_s=8")
+    while len(_rows(tmp_path)) < 2:
+        time.sleep(0.1)
+    family = descendants(proc.pid)
+    os.kill(_process(proc, "trainer-0"), signal.SIGSTOP)
+    stderr = _stderr_at_end(proc)
+    assert proc.returncode == 1
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: trainer-0 stuck in "), stderr[-3000:]
+    time.sleep(0.5)
+    assert not [p for p in family if alive(p)], "a child process outlived the run"
+    assert shm_files() <= before
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint import latest_resumable
+    step, path = latest_resumable(str(tmp_path))
+    assert step >= 1
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_worker_stuck_before_its_first_group_stops_the_run_and_is_not_restarted(tiny_model_dir, tmp_path):
+    proc = _start(tmp_path, tiny_model_dir, "cluster.start_timeout_s=10", "cluster.max_restarts=3", first_row=False)
+    os.kill(_process(proc, "rollout-0"), signal.SIGSTOP)  # at once: still loading its tokenizer, task, engine
+    stderr = _stderr_at_end(proc)
+    assert proc.returncode == 1
+    assert "error: rollout-0 stuck in start for " in stderr and "restarting" not in stderr, stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists() or not _rows(tmp_path)
