@@ -30,6 +30,7 @@ class EvalSpec:
     stop_ids: tuple  # the model's end-of-sequence tokens
     seed: int
     dtype: str = "float32"  # a CPU evaluation engine's weights, as in rollout.dtype
+    chat_template: tuple = ()  # model.chat_template as (key, value) pairs (a frozen dataclass holds no dict)
 
 
 @runtime_checkable
@@ -111,9 +112,7 @@ class EngineEvaluator:
 
     @contextmanager
     def open(self, model_path: str, weights, task, spec: EvalSpec):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = tasks.load_tokenizer(model_path, dict(spec.chat_template))
         with self.engine.open(model_path, spec.seed) as engine:
             sync = weights.follower(engine, 0)
 

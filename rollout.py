@@ -34,9 +34,7 @@ def run(*, worker: int, workers: int, seed: int, model_path: str, rollout: "Roll
         first_group: int = 0) -> None:
     """One rollout worker process. `task` is the task's Config; init_path, start_version and first_group say
     where a resumed or restarted worker starts (its weights, their version, the groups already delivered)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = tasks.load_tokenizer(model_path, dict(eval_spec.chat_template))
     data = tasks.get(task.name).build(task, seed)
     with (RewardPool(data.reward, reward.workers, reward.timeout_s, data.reward_options) as pool,
           engine.open(init_path or model_path, seed * 1000 + worker) as generator):

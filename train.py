@@ -62,7 +62,8 @@ def main(raw) -> None:
     from models.loader import resolve
 
     model_path = _or_exit(resolve, cfg.model.path)
-    plan = _or_exit(_plan, plan_name, cfg, model_path)
+    model_config = _or_exit(_model_config, model_path)
+    plan = _or_exit(_plan, plan_name, cfg, model_path, model_config)
     if cfg.eval.only:
         return _evaluate_only(cfg, plan, model_path, run_dir)
     error = run(cfg, plan, model_path, run_dir, resume, config)
@@ -74,13 +75,13 @@ def main(raw) -> None:
 
 def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict) -> str | None:
     """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None."""
-    from transformers import AutoTokenizer
 
     import tasks
     from buffer.heartbeat import Allowance, Heartbeats
     from buffer.ring import TrajectoryRing
     from buffer.shared import Shared, WorkerCounters
     from buffer.staleness import StalenessGate, lane_slots
+    from engines.arch import engine_path
     from evaluate import longest_request
     from launch.plan import cores_for, free_port, pin_threads
     from launch.summary import draw_curves, write_summary
@@ -90,8 +91,9 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from trainer.loop import run as run_learner
 
     task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
-    tokenizer = _or_exit(AutoTokenizer.from_pretrained, model_path)
+    tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
+    _or_exit(engine_path, _model_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
     stop_ids = _stop_ids(model_path)
     eval_spec = _eval_spec(cfg, stop_ids)
     rollout, workers = cfg.rollout, plan.rollout_workers
@@ -195,13 +197,28 @@ def _precision(cfg, plan: str):
                                train=dataclasses.replace(cfg.train, autocast=autocast))
 
 
-def _plan(name: str, cfg, model_path: str):
+def _model_config(model_path: str):
+    """The model's config, checked: a causal LM that ringrl's engine and trainer run (engines/arch.py)."""
+    from transformers import AutoConfig
+
+    from engines.arch import engine_path
+
+    config = AutoConfig.from_pretrained(model_path)
+    engine_path(config)
+    return config
+
+
+def _plan(name: str, cfg, model_path: str, model_config):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
+    from engines.arch import engine_path
     from launch.plan import CPUPlan, engine_kind
 
     engine, notice = engine_kind(cfg.rollout.engine, name)
     if notice:
         NOTICES.append(notice)
+    if engine == "builtin":
+        path, architecture = engine_path(model_config)
+        NOTICES.append(f"engine: {'fast path' if path == 'fast' else 'fallback'} ({architecture})")
     if name == "cpu":
         return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts)
     import torch
@@ -218,20 +235,20 @@ def _plan(name: str, cfg, model_path: str):
 def _eval_spec(cfg, stop_ids: tuple):
     from evaluate import EvalSpec
 
-    return EvalSpec(cfg.eval, cfg.reward, cfg.rollout.max_new_tokens, stop_ids, cfg.seed, cfg.rollout.dtype)
+    return EvalSpec(cfg.eval, cfg.reward, cfg.rollout.max_new_tokens, stop_ids, cfg.seed, cfg.rollout.dtype,
+                    tuple(sorted(cfg.model.chat_template.items())))
 
 
 def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training.
     It generates on the plan's first engine: a built-in engine, or SGLang on the GPU plan."""
     import torch
-    from transformers import AutoTokenizer
 
     import tasks
     from evaluate import evaluate, longest_request
 
     task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = tasks.load_tokenizer(model_path, cfg.model.chat_template)
     spec = _eval_spec(cfg, _stop_ids(model_path))
     torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))  # alone: every core
     _print_notices()
@@ -270,12 +287,17 @@ def _max_prompt_len(tokenizer, task, budget: int, long_prompts: str) -> int:
 
 
 def _stop_ids(model_path) -> tuple:
-    from transformers import AutoConfig, AutoTokenizer
+    """Every end-of-sequence token the model may emit: its config's, its generation_config.json's (Qwen3 ends a
+    turn with <|im_end|> there) and its tokenizer's."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    eos = AutoConfig.from_pretrained(model_path).eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    ids.add(AutoTokenizer.from_pretrained(model_path).eos_token_id)
-    return tuple(sorted(i for i in ids if i is not None))
+    eos = [AutoConfig.from_pretrained(model_path).eos_token_id, AutoTokenizer.from_pretrained(model_path).eos_token_id]
+    try:
+        eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    ids = [i for e in eos for i in (e if isinstance(e, list) else [e])]
+    return tuple(sorted({i for i in ids if i is not None}))
 
 
 def _meta_model(model_path):

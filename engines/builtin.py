@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engines.arch import forward_for
 from engines.base import Completion, Request, check_request
-from engines.llama import Llama
 
 
 @dataclass
@@ -111,7 +111,7 @@ class BuiltinEngine:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         with torch.inference_mode(False):  # normal tensors, so callers can copy_() into them outside inference mode
-            self.model = Llama(model, dtype, max_len, self.device)
+            self.model = forward_for(model, dtype, max_len, self.device)  # engines/arch.py: fast path or fallback
         self.max_batch, self.max_len = max_batch, max_len
         self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
         self.seed = seed

@@ -1,4 +1,5 @@
-"""The Llama forward pass (also Mistral and Qwen2) over a per-slot KV cache, for batched decoding on any device.
+"""The Llama forward pass (also Mistral, Qwen2 and Qwen3) over a per-slot KV cache, for batched decoding on any
+device: the built-in engine's fast path. Every other causal LM runs on engines/hf.py's fallback.
 
 Weights are copied out of the Hugging Face model into the engine's own tensors, with q/k/v and
 gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named row views of them,
@@ -9,21 +10,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def unsupported(name: str, config, max_len: int) -> str | None:
+    """Why `Llama` cannot compute architecture `name` with this config exactly (None: it can)."""
+    if name not in SUPPORTED:
+        return f"the fast path runs {', '.join(SUPPORTED)}, not {name}"
+    if config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
+        return f"the fast path needs a bias-free SiLU MLP, {name} has hidden_act={config.hidden_act}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return f"the fast path has no sliding-window attention; {name} uses it (layer_types)"
+    window = getattr(config, "sliding_window", None)
+    if name == "MistralForCausalLM" and window is not None and window < max_len:
+        return f"sliding_window={window} < max_len={max_len}: lower max_len to at most {window}"
+    return None
 
 
 def check_supported(model, max_len: int) -> None:
     """Refuse, in one line, any model whose math differs from what `Llama` computes."""
-    name, config = type(model).__name__, model.config
-    if name not in SUPPORTED:
-        raise ValueError(f"the built-in engine runs {', '.join(SUPPORTED)}, not {name}; pick a Llama-family model")
-    if config.hidden_act != "silu" or getattr(config, "mlp_bias", False):
-        raise ValueError(f"the built-in engine needs a bias-free SiLU MLP, {name} has hidden_act={config.hidden_act}")
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        raise ValueError(f"the built-in engine has no sliding-window attention; {name} uses it (layer_types)")
-    window = getattr(config, "sliding_window", None)
-    if name == "MistralForCausalLM" and window is not None and window < max_len:
-        raise ValueError(f"sliding_window={window} < max_len={max_len}: lower max_len to at most {window}")
+    reason = unsupported(type(model).__name__, model.config, max_len)
+    if reason:
+        raise ValueError(reason)
 
 
 def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +68,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Layer:
     attn_norm: torch.Tensor
     qkv: torch.Tensor              # [(H + 2 KV) * head_dim, D]: q, k, v projections stacked by rows
-    qkv_bias: torch.Tensor | None  # Qwen2 only
+    qkv_bias: torch.Tensor | None  # Qwen2, or attention_bias=true
+    q_norm: torch.Tensor | None  # Qwen3 only: RMSNorm over each head of q and of k, before the rotation
+    k_norm: torch.Tensor | None
     o: torch.Tensor
+    o_bias: torch.Tensor | None  # attention_bias=true (not Qwen2)
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor          # [2 I, D]: gate then up
     down: torch.Tensor
@@ -104,12 +115,16 @@ class Llama:
 
     def _load_layer(self, state: dict, prefix: str) -> Layer:
         attn = [f"{prefix}self_attn.{p}_proj." for p in "qkv"]
-        has_bias = attn[0] + "bias" in state
+        has_bias, has_norms = attn[0] + "bias" in state, prefix + "self_attn.q_norm.weight" in state
         return Layer(
             attn_norm=self._own(state, prefix + "input_layernorm.weight"),
             qkv=self._fuse(state, [a + "weight" for a in attn]),
             qkv_bias=self._fuse(state, [a + "bias" for a in attn]) if has_bias else None,
+            q_norm=self._own(state, prefix + "self_attn.q_norm.weight") if has_norms else None,
+            k_norm=self._own(state, prefix + "self_attn.k_norm.weight") if has_norms else None,
             o=self._own(state, prefix + "self_attn.o_proj.weight"),
+            o_bias=self._own(state, prefix + "self_attn.o_proj.bias") if prefix + "self_attn.o_proj.bias" in state
+            else None,
             mlp_norm=self._own(state, prefix + "post_attention_layernorm.weight"),
             gate_up=self._fuse(state, [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
             down=self._own(state, prefix + "mlp.down_proj.weight"),
@@ -126,7 +141,11 @@ class Llama:
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., D] -> q [..., H, hd] and k [..., KV, hd], both rotated, and v [..., KV, hd]."""
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).unflatten(-1, (-1, self.head_dim))
-        qk = apply_rope(qkv[..., :self.n_heads + self.n_kv_heads, :], cos, sin)  # q and k rotate in one pass
+        qk = qkv[..., :self.n_heads + self.n_kv_heads, :]
+        if layer.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[..., :self.n_heads, :], layer.q_norm, self.eps),
+                            rms_norm(qk[..., self.n_heads:, :], layer.k_norm, self.eps)), dim=-2)
+        qk = apply_rope(qk, cos, sin)  # q and k rotate in one pass
         return qk[..., :self.n_heads, :], qk[..., self.n_heads:, :], qkv[..., self.n_heads + self.n_kv_heads:, :]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +169,7 @@ class Llama:
             if i == len(self.layers) - 1:
                 break  # the last layer's output only feeds logits, which prefill does not produce
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o)
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
 
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -175,6 +194,6 @@ class Llama:
             # The G query heads sharing a kv head go in as G query rows: faster on CPU than enable_gqa.
             attn = F.scaled_dot_product_attention(q.unflatten(1, (self.n_kv_heads, -1)), keys, values,
                                                   attn_mask=visible)
-            x = x + F.linear(attn.flatten(1), layer.o)
+            x = x + F.linear(attn.flatten(1), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
         return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()

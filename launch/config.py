@@ -23,6 +23,9 @@ GROUPS = ("algo", "task", "model", "cluster")
 @dataclass
 class ModelConfig:
     path: str = "smollm2-135m"  # embedded model name, a local Hugging Face folder, or a hub id
+    # options of the model's chat template, passed to apply_chat_template for every prompt (rollouts and
+    # evaluation alike), e.g. +model.chat_template.enable_thinking=false for Qwen3
+    chat_template: dict[str, Any] = field(default_factory=dict)
 
     def check(self):
         _require(bool(self.path), "model.path", "must name a model", self.path)
@@ -103,6 +106,25 @@ class RolloutConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # LoRA adapters of this rank on a frozen base, trained instead of every weight (0: off)
+    alpha: float = 32.0  # the adapters' scale is alpha / rank
+    # peft's target_modules: [all-linear] (every linear layer but the output head), or names: [q_proj,v_proj]
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # auto | bfloat16 | float32: how the frozen base is held. auto: bfloat16 where the trainer computes in bf16
+    # (train.autocast=bfloat16, the GPU plan), else float32
+    base_dtype: str = "auto"
+
+    def check(self):
+        _require(self.rank >= 0, "train.lora.rank", "must be >= 0", self.rank)
+        _require(self.alpha > 0, "train.lora.alpha", "must be > 0", self.alpha)
+        _require(bool(self.target_modules), "train.lora.target_modules", "must name modules, or [all-linear]",
+                 self.target_modules)
+        _require(self.base_dtype in ("auto", "bfloat16", "float32"), "train.lora.base_dtype",
+                 "must be auto, bfloat16 or float32", self.base_dtype)
+
+
+@dataclass
 class TrainConfig:
     batch_groups: int = 4  # B: prompts (groups of K) per optimizer step (4: fastest to reward, bench/time_to_reward.py)
     # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
@@ -120,8 +142,12 @@ class TrainConfig:
     # torch.compile the decoder stack: about 1.5x faster bf16 steps on the CPU after a compile of one to three
     # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
     compile: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train.lora.rank > 0: LoRA instead of full fine-tuning
 
     def check(self):
+        self.lora.check()
+        _require(self.lora.base_dtype != "bfloat16" or self.autocast != "none", "train.lora.base_dtype",
+                 "bfloat16 needs train.autocast=bfloat16 on the CPU (or base_dtype=float32)", self.lora.base_dtype)
         _require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)
         _require(self.minibatches >= 1, "train.minibatches", "must be >= 1", self.minibatches)
         _require(self.batch_groups % self.minibatches == 0, "train.minibatches",

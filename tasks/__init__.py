@@ -31,8 +31,20 @@ def get(name: str):
     return importlib.import_module(_TASKS[name])
 
 
+def load_tokenizer(model_path: str, chat_template: dict | None = None):
+    """The model's tokenizer, carrying `model.chat_template` (options of its chat template, such as Qwen3's
+    enable_thinking) for `prompt_ids`. Every process loads it here, so the rollouts' prompts, the evaluation's
+    and the ring's width agree; the trainer scores the prompt tokens the ring carries."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.ringrl_chat_template = dict(chat_template or {})
+    return tokenizer
+
+
 def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The question as a chat turn, ready for the assistant's reply."""
+    """The question as a chat turn, ready for the assistant's reply (with the options `load_tokenizer` gave)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True,
+                                         **getattr(tokenizer, "ringrl_chat_template", {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]

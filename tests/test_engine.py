@@ -84,9 +84,15 @@ def test_in_flight_weight_update_records_versions_and_uses_new_weights(model, ti
     with torch.no_grad():
         for p in new_model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    check_an_in_flight_weight_load(model, new_model, vocab=49152)
+
+
+def check_an_in_flight_weight_load(model, new_model, vocab: int) -> None:
+    """Requests in flight when `new_model`'s weights are copied into the engine keep their cache and record the new
+    version on later tokens; a request started after samples from the new weights; `model` stays untouched."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = BuiltinEngine(model, max_batch=4, max_len=64)
-    prompts = random_prompts([5, 11, 3])
+    prompts = random_prompts([5, 11, 3], vocab=vocab)
     for i, prompt in enumerate(prompts):
         engine.add(Request(i, prompt, SamplingParams(max_new_tokens=10)))
     early = [c for _ in range(4) for c in engine.step()]
@@ -208,12 +214,13 @@ def test_bfloat16_engine_stays_close_to_fp32(model):
         assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
 
 
-def test_unsupported_architecture_is_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_model_that_is_not_a_causal_lm_is_refused():
+    # other causal LMs run on the fallback (tests/test_models.py)
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        BuiltinEngine(gpt2)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    with pytest.raises(ValueError, match="not a causal LM"):
+        BuiltinEngine(t5)
 
 
 def test_counter_uniform_is_a_fixed_uniform_stream():

@@ -44,6 +44,20 @@ def test_gpu_engine_logprobs_match_the_hf_forward_in_bf16(tiny_model_dir):
     assert sum(errors) / len(errors) < 0.05, sum(errors) / len(errors)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_neox"])
+def test_gpu_fast_path_and_fallback_match_the_cpu(kind):
+    """Qwen3 on the fast path and GPT-NeoX on the fallback: float32 on CUDA gives the CPU's tokens."""
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model(kind)
+    requests = [Request(r.request_id, [t % 512 for t in r.prompt_ids], r.params) for r in _requests()]
+    on_cpu = BuiltinEngine(model, max_batch=4, max_len=32, seed=1).generate(requests)
+    on_gpu = BuiltinEngine(model, max_batch=4, max_len=32, seed=1, device="cuda:0").generate(requests)
+    for c, g in zip(on_cpu, on_gpu):
+        assert g.token_ids == c.token_ids, c.request_id
+        assert max(abs(a - b) for a, b in zip(c.logprobs, g.logprobs)) < 1e-3
+
+
 def _engine_process(model_dir, weights, versions, results):
     """A rollout process's side: a built-in engine on GPU 0 following the weight path; once it holds each version,
     it reports the sum of every weight it holds."""

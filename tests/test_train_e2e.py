@@ -197,7 +197,7 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
 BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's scratch folder
     ("stepz=3", "unknown config key 'stepz'"),
     ("rollout.group_sise=4", "unknown config key 'rollout.group_sise'"),
-    ("train.lrr=1", "unknown config key 'train.lrr' (known: autocast, batch_groups, compile, grad_clip, lr,"),
+    ("train.lrr=1", "unknown config key 'train.lrr' (known: autocast, batch_groups, compile, grad_clip, lora, lr,"),
     ("rollout.groupsize=4", "unknown config key 'rollout.groupsize'"),
     ("algo=tb algo.beta=1", "unknown config key 'algo.beta' for algo=tb (known: beta_end, beta_start,"),
     ("algo=grpo algo.clip_epz=0.2", "unknown config key 'algo.clip_epz' for algo=grpo"),

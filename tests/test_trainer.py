@@ -39,7 +39,12 @@ def _separate(model, groups, temperature):
 
 
 def test_packed_logprobs_and_grads_equal_separate_sequences(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    check_packed_equals_separate(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+
+
+def check_packed_equals_separate(model) -> dict:
+    """The packed forward's logprobs and gradients equal those of every completion run on its own; returns the
+    packed pass's gradients."""
     policy = TokenLogprobs(model)
     groups = _groups()
     batch = pack(groups)
@@ -55,6 +60,7 @@ def test_packed_logprobs_and_grads_equal_separate_sequences(tiny_model_dir):
         assert batch.mask[row].sum() == len(ref)
     for name, p in model.named_parameters():
         assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=1e-4), name
+    return grads
 
 
 def test_micro_batch_slices_keep_whole_groups(tiny_model_dir):

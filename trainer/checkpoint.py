@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from engines.weight_sync import engine_name
+from trainer.lora import is_lora, merged, save_adapter
 
 STATE_FILE = "trainer_state.pt"
 PROGRESS_FILE = "progress.json"
@@ -26,7 +27,8 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
                     keep: int = 0) -> str:
     """Gather the full weights (all ranks call this) and write them, with `state`, atomically from rank 0.
     keep > 0: afterwards delete all but the newest `keep` checkpoints."""
-    weights = gathered_weights(policy)
+    raw = gathered_weights(policy)
+    weights = dict(merged(raw.items(), policy.lm))  # a LoRA model's merged; the same dict's items otherwise
     root = os.path.join(run_dir, "checkpoints")
     target = os.path.join(root, f"step_{step}")
     if dist.get_rank() != 0:
@@ -37,6 +39,8 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         policy.lm.save_pretrained(tmp, state_dict=weights)
+        if is_lora(policy.lm):
+            save_adapter(tmp, raw, policy.lm)  # beside the merged model: what a resumed run reloads
         AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
         if state is not None:
             torch.save(state, os.path.join(tmp, STATE_FILE))

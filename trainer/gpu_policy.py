@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, init_gloo
+from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, decoder_layers, init_gloo
 
 
 def attn_implementation() -> str:
@@ -71,10 +71,12 @@ class GPUPlacement:
         else:
             init_gloo(rank, world_size, port)
 
-    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> "VarlenTokenLogprobs":
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False,
+             adapters=None) -> "VarlenTokenLogprobs":
         """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32 master
-        weights and computes in bf16."""
-        policy = VarlenTokenLogprobs(load_lm(path)).to(self.device)
+        weights and computes in bf16. `adapters`: LoRA on a frozen base (trainer/lora.py; not yet run on a GPU)."""
+        lm = load_lm(path)
+        policy = VarlenTokenLogprobs(adapters.apply(lm) if adapters else lm).to(self.device)
         if compile:
             compile_stack(policy)
         if frozen:
@@ -87,7 +89,7 @@ def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_
 
     checkpointing: recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = policy.lm.model.layers
+    layers = decoder_layers(policy.lm)
     for i, layer in enumerate(layers):
         if checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -109,7 +111,7 @@ class VarlenTokenLogprobs(TokenLogprobs):
         order, picks = order.to(input_ids.device), picks.to(input_ids.device)
         ids = input_ids.reshape(-1)[order][None]  # [1, N]
         positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
-        hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+        hidden = self.lm.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
         return self.head(hidden[picks].flatten(0, 1), targets, temperature, entropy)
 
 

@@ -9,12 +9,15 @@ from torch.distributed.fsdp import fully_shard
 
 from engines.weight_sync import engine_name
 from trainer.batch import PAD
+from trainer.lora import Adapters, merged
 
 
 class TokenLogprobs(nn.Module):
     """Wraps a Hugging Face causal LM; returns log pi(token) (temperature applied) for every completion token.
 
-    The lm_head, a fifth of this model's FLOPs, runs only where a completion token is predicted.
+    Any causal LM: the decoder is `lm.base_model`, the head `lm.get_output_embeddings()` (weight and bias). The
+    head, a fifth of SmolLM2-135M's FLOPs, runs only where a completion token is predicted. Heads that do more
+    than a linear map (soft-capping, logit scaling) are refused at start (engines/arch.py).
     """
 
     def __init__(self, lm: nn.Module):
@@ -24,30 +27,30 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
-        hidden = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask,
+                                    position_ids=position_ids).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
         return self.head(picked.flatten(0, 1), targets, temperature, entropy)
 
     def head(self, rows, targets, temperature: float, entropy: bool):
         """Hidden rows [G*K*T, d] -> logprobs [G*K, T]; with `entropy`, (logprobs, the policy's entropy at each
         of those positions [G*K, T], no gradient)."""
-        out, ent = head_logprobs(rows, self.lm.lm_head, targets.reshape(-1), temperature, entropy)
+        out, ent = head_logprobs(rows, self.lm.get_output_embeddings(), targets.reshape(-1), temperature, entropy)
         logprobs = out.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
         return (logprobs, ent.reshape(targets.shape)) if entropy else logprobs
 
 
 def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy: bool = False):
-    """log_softmax(hidden @ head.weight.T / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast
-    dtype if autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision);
-    and the entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
-    assert head.bias is None, "lm_head with a bias is not supported"
+    """log_softmax(head(hidden) / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast dtype if
+    autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision); and the
+    entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    return _HeadLogprob.apply(hidden, head.weight, targets, temperature, dtype, entropy)
+    return _HeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, dtype, entropy)
 
 
 class _HeadLogprob(torch.autograd.Function):
-    """log_softmax(h @ W.T / temperature)[target] for rows h [N, d], W [V, d] -> [N] float32.
+    """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N] float32.
 
     Never holds the [N, V] float32 logits: rows go through in chunks (a few MB that stay in cache on the CPU,
     1 GB on a GPU), and the backward recomputes each chunk's logits (one more lm_head matmul) instead of
@@ -58,43 +61,46 @@ class _HeadLogprob(torch.autograd.Function):
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy):
         device = hidden.device
         chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
         with torch.autocast(device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
             out, lse = torch.empty(len(h), device=device), torch.empty(len(h), device=device)
             ent = torch.empty(len(h) if entropy else 0, device=device)
             for rows in _chunks(len(h), w.shape[0], chunk):
-                logits = _logits(h[rows], w, temperature)
+                logits = _logits(h[rows], w, b, temperature)
                 lse[rows] = logits.logsumexp(-1)
                 out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
                 if entropy:  # H = -sum_v p_v log p_v = lse - sum_v p_v logit_v
                     ent[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(-1)
-        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.temperature, ctx.hidden_dtype, ctx.chunk = temperature, hidden.dtype, chunk
         ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad, _entropy_grad):
-        h, weight, targets, lse = ctx.saved_tensors
+        h, weight, bias, targets, lse = ctx.saved_tensors
         temp = ctx.temperature
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
+            b = None if bias is None else bias.to(h.dtype)
             grad_logits = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
             scale = grad / temp
             for rows in _chunks(len(h), w.shape[0], ctx.chunk):
                 # d logprob / d logits = (onehot(target) - softmax) / temperature
-                g = _logits(h[rows], w, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
+                g = _logits(h[rows], w, b, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
                 grad_logits[rows] = g.scatter_add_(-1, targets[rows, None], scale[rows, None])
             grad_h = grad_logits @ w
             grad_w = grad_logits.T @ h
-        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), None, None, None, None
+            grad_b = None if bias is None else grad_logits.float().sum(0).to(bias.dtype)
+        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None
 
 
-def _logits(h, w, temperature):
-    logits = (h @ w.T).float()
+def _logits(h, w, b, temperature):
+    logits = torch.nn.functional.linear(h, w, b).float()
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -113,17 +119,27 @@ def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The causal LM's stack of decoder layers, whatever its attribute names (`model.layers`, `gpt_neox.layers`,
+    `transformer.h`, ...): the module list in the base model with one entry per layer."""
+    count = lm.config.num_hidden_layers
+    for module in lm.base_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return module
+    raise ValueError(f"found no list of {count} decoder layers in {type(lm).__name__}; FSDP2 shards per layer")
+
+
 def compile_stack(policy: nn.Module) -> None:
     """torch.compile the decoder stack in place, before any sharding: the parameter names stay (checkpoints and
     weight sync are unchanged). Dynamic shapes, since every batch has its own length. Inductor fuses the
     element-wise work and casts around the matmuls, most of a bf16 step on the CPU; one graph for the whole
     stack fuses more than one per layer does (bench/train_step.py: 2.4 vs 3.0 s a bf16 step, eager 3.3)."""
-    policy.lm.model.compile(dynamic=True)
+    policy.lm.base_model.compile(dynamic=True)
 
 
 def shard(policy: TokenLogprobs) -> TokenLogprobs:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, lm_head)."""
-    for layer in policy.lm.model.layers:
+    for layer in decoder_layers(policy.lm):
         fully_shard(layer)
     fully_shard(policy)
     return policy
@@ -131,11 +147,15 @@ def shard(policy: TokenLogprobs) -> TokenLogprobs:
 
 def full_state(policy: nn.Module):
     """Yield (Hugging Face name, full tensor) for every weight; a collective under FSDP2 (all ranks call it).
-    Wrapper segments in the names (activation checkpointing on the GPU plan) are dropped."""
-    for name, value in policy.state_dict().items():
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        yield engine_name(name), value
+    Wrapper segments in the names (activation checkpointing on the GPU plan) are dropped; a LoRA model's
+    weights come merged (trainer/lora.py)."""
+    def full():
+        for name, value in policy.state_dict().items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            yield engine_name(name), value
+
+    yield from merged(full(), policy.lm)
 
 
 # How long a rank may wait in a collective: a backstop only. Ranks other than 0 wait for rank 0's word in
@@ -160,9 +180,11 @@ class Placement(Protocol):
         """Join the trainer ranks' process group (gloo or NCCL)."""
         ...
 
-    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> TokenLogprobs:
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False,
+             adapters: Adapters | None = None) -> TokenLogprobs:
         """The policy (or, frozen, the reference policy) from a Hugging Face folder, on `device`, sharded as this
-        placement shards: its forward takes a packed batch and gives per-token logprobs [G*K, T]."""
+        placement shards: its forward takes a packed batch and gives per-token logprobs [G*K, T]. `adapters`:
+        LoRA on a frozen base (trainer/lora.py), applied before compiling and sharding."""
         ...
 
 
@@ -174,11 +196,13 @@ class CPUPlacement:
     def init_process_group(self, rank: int, world_size: int, port: int) -> None:
         init_gloo(rank, world_size, port)
 
-    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False) -> TokenLogprobs:
+    def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False,
+             adapters: Adapters | None = None) -> TokenLogprobs:
         """The policy (or, frozen, the reference policy) from a Hugging Face folder."""
         from transformers import AutoModelForCausalLM
 
-        policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        policy = TokenLogprobs(adapters.apply(lm) if adapters else lm)
         if compile:
             compile_stack(policy)
         if frozen:
