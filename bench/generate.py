@@ -1,10 +1,12 @@
 """The built-in CPU engine against Hugging Face `generate`: same model, prompts, budget and sampling.
 
-    python -m bench.generate [--sequences 64] [--new-tokens 64] [--threads 2]
+    python -m bench.generate [--sequences 64] [--new-tokens 64] [--threads 2] [--fallback]
 
 Prints tokens/s of both in fp32 and bf16, the engine's fraction of the limit implied by the matmul peak
 measured in the same run (2 x parameters FLOPs per token), and ends with `engine_vs_hf=<ratio>` (bf16).
 Completions stop at EOS, so their lengths vary: continuous batching refills finished slots at once.
+`--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
+on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
 """
 import argparse
 import time
@@ -16,9 +18,9 @@ from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
 
 
-def run_engine(model, prompts, new_tokens, eos, dtype) -> tuple[int, float]:
+def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False) -> tuple[int, float]:
     engine = BuiltinEngine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + new_tokens, seed=0,
-                       dtype=dtype)
+                           dtype=dtype, fallback=fallback)
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=(eos,))
     start = time.perf_counter()
@@ -47,6 +49,7 @@ def main():
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fallback", action="store_true", help="fast path vs fallback, fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load()
@@ -55,6 +58,8 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.sequences} sequences, <= {args.new_tokens} new tokens, T=1.0, {args.threads} threads, "
           f"{params / 1e6:.1f}M parameters")
+    if args.fallback:
+        return compare_paths(model, tokenizer, prompts, args.new_tokens, eos)
     ratio = None
     for dtype in (torch.float32, torch.bfloat16):
         peak = matmul_peak_flops(dtype)
@@ -67,6 +72,17 @@ def main():
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"matmul peak {peak / 1e9:.0f} GFLOP/s -> limit {limit:.0f} tok/s, engine at {engine_tps / limit:.0%}")
     print(f"engine_vs_hf={ratio:.2f}")
+
+
+def compare_paths(model, tokenizer, prompts, new_tokens, eos) -> None:
+    rates = {}
+    for name, run in (("fast path", lambda: run_engine(model, prompts, new_tokens, eos, torch.float32)),
+                      ("fallback", lambda: run_engine(model, prompts, new_tokens, eos, torch.float32, fallback=True)),
+                      ("hf generate", lambda: run_hf(model, tokenizer, prompts, new_tokens, eos, torch.float32))):
+        tokens, seconds = run()
+        rates[name] = tokens / seconds
+        print(f"fp32 {name:12s} {rates[name]:7.1f} tok/s ({tokens} tokens)")
+    print(f"fallback_vs_fast={rates['fallback'] / rates['fast path']:.2f}")
 
 
 if __name__ == "__main__":

@@ -60,11 +60,11 @@ def _check_head(name: str, config) -> None:
                              "not; pick a model without it")
 
 
-def forward_for(model, dtype: torch.dtype, max_len: int, device: torch.device):
-    """The engine's forward for `model`: the fast path where it applies, else the fallback on a copy (the engine
-    owns its weights; `model` may belong to a trainer)."""
+def forward_for(model, dtype: torch.dtype, max_len: int, device: torch.device, fallback: bool = False):
+    """The engine's forward for `model`: the fast path where it applies (unless `fallback`: benchmarks and tests
+    compare the two), else the fallback on a copy (the engine owns its weights; `model` may belong to a trainer)."""
     path, _ = engine_path(model.config, max_len)
-    if path == "fast":
+    if path == "fast" and not fallback:
         return Llama(model, dtype, max_len, device)
     from engines.hf import HFForward
 

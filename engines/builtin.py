@@ -108,10 +108,11 @@ class BuiltinEngine:
     only the bookkeeping of requests and slots is Python."""
 
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False):
         self.device = torch.device(device)
         with torch.inference_mode(False):  # normal tensors, so callers can copy_() into them outside inference mode
-            self.model = forward_for(model, dtype, max_len, self.device)  # engines/arch.py: fast path or fallback
+            # engines/arch.py: the fast path, or the fallback (also where `fallback` asks for it)
+            self.model = forward_for(model, dtype, max_len, self.device, fallback)
         self.max_batch, self.max_len = max_batch, max_len
         self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
         self.seed = seed

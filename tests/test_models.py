@@ -33,6 +33,18 @@ def test_sampled_logprobs_match_the_hf_forward(kind):
         assert_matches_teacher_forced(model, completion, request.params.temperature)
 
 
+def test_the_fallback_samples_what_the_fast_path_samples(model_kind="qwen3"):
+    model = tiny_model(model_kind)
+    prompts = random_prompts([3, 12, 7, 12], vocab=512)
+    requests = [Request(i, p, SamplingParams(temperature=0.9, max_new_tokens=9)) for i, p in enumerate(prompts)]
+    fast = BuiltinEngine(model, max_batch=2, max_len=32, seed=4)
+    slow = BuiltinEngine(model, max_batch=2, max_len=32, seed=4, fallback=True)
+    assert type(fast.model) is Llama and type(slow.model) is HFForward
+    for a, b in zip(fast.generate(requests), slow.generate(requests)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gpt_neox"])
 def test_greedy_logits_match_the_hf_forward(kind):
     model = tiny_model(kind)
