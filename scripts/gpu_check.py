@@ -6,6 +6,8 @@ Steps, each timed and recorded whatever the others do:
 1. `tests`: the gpu-marked tests (`pytest -m gpu` over the files that hold them).
 2. `train`: `train.py` on the one-GPU plan (`cluster=gpu1`, `rollout.engine=builtin`) for a few steps with a
    random Qwen2.5-0.5B-shaped model: every step logged, the staleness bound kept, the last checkpoint loadable.
+   `train_lora`: the same with `train.lora.rank=16 algo=tb` (a bf16 base under FSDP2, the reference with the
+   adapters off, merged weights to the engine), its checkpoint's adapter written beside the merged model.
 3. `bench/<model>/<name>`: the GPU benchmarks (`bench/gpu_engine.py`, `gpu_train.py`, `gpu_weights.py`) for the
    Qwen2.5-0.5B and 1.5B shapes, as far as the time budget allows (a benchmark not started in time is recorded
    as skipped, not failed).
@@ -63,6 +65,7 @@ def main() -> int:
     step("tests", run_gpu_tests, out, env)
     models = ["tiny"] if args.cpu else ["qwen2.5-0.5b", "qwen2.5-1.5b"]
     step("train", run_train, out, env, tokenizer, "tiny" if args.cpu else "qwen2.5-0.5b", args.cpu)
+    step("train_lora", run_train, out, env, tokenizer, "tiny" if args.cpu else "qwen2.5-0.5b", args.cpu, True)
     for model in models:
         for name in BENCHMARKS:
             if time.time() - start > BUDGET_S - (60 if model == "tiny" else 150):
@@ -174,20 +177,20 @@ def run_gpu_tests(out: str, env: dict) -> dict:
     return {"summary": summary, **counts}
 
 
-def run_train(out: str, env: dict, tokenizer: str, model: str, cpu: bool) -> dict:
+def run_train(out: str, env: dict, tokenizer: str, model: str, cpu: bool, lora: bool = False) -> dict:
     from bench.shapes import random_model
 
     path = random_model(model, tokenizer, os.path.join(out, "models"))
-    run_dir = os.path.join(out, "train_run")
+    run_dir = os.path.join(out, "train_lora_run" if lora else "train_run")
     shutil.rmtree(run_dir, ignore_errors=True)
     steps, eta = 3, 1
     cluster = ["cluster=cpu"] if cpu else ["cluster=gpu1", "rollout.engine=builtin"]
     cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "progress=false", f"model.path={path}",
            f"steps={steps}", f"max_staleness={eta}", "rollout.group_size=4", "rollout.max_new_tokens=16",
            "rollout.max_batch=16", "train.batch_groups=2", "train.micro_groups=2", "eval.max_examples=4",
-           *cluster]
+           *cluster, *(["train.lora.rank=16", "algo=tb"] if lora else [])]
     child_env = env if cpu else dict(env, CUDA_VISIBLE_DEVICES="0")  # one GPU visible: the time-shared layout
-    _run(cmd, child_env, os.path.join(out, "train.log"), timeout=420)
+    _run(cmd, child_env, os.path.join(out, "train_lora.log" if lora else "train.log"), timeout=420)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         raise RuntimeError(f"metrics.jsonl has steps {[r['step'] for r in rows]}, not 1..{steps}")
@@ -199,6 +202,8 @@ def run_train(out: str, env: dict, tokenizer: str, model: str, cpu: bool) -> dic
     from transformers import AutoModelForCausalLM
 
     checkpoint = os.path.join(run_dir, "checkpoints", f"step_{steps}")
+    if lora and not os.path.exists(os.path.join(checkpoint, "adapter", "adapter_model.safetensors")):
+        raise RuntimeError("the LoRA run's checkpoint has no adapter/")
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     with torch.no_grad():
         logits = loaded(torch.tensor([[1, 2, 3]])).logits

@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_writes_its_report(tmp_path):
     assert report["ok"] and report["mode"] == "cpu"
     assert report["machine"]["torch"] and report["machine"]["commit"] != "unknown"
     names = [s["name"] for s in report["steps"]]
-    assert names[:2] == ["tests", "train"] and {f"bench/tiny/{b}" for b in ("gpu_engine", "gpu_train",
+    assert names[:3] == ["tests", "train", "train_lora"] and {f"bench/tiny/{b}" for b in ("gpu_engine", "gpu_train",
                                                                          "gpu_weights")} <= set(names)
     train = next(s for s in report["steps"] if s["name"] == "train")
     assert train["steps"] == 3 and train["gen_tokens_per_s"] > 0
