@@ -87,8 +87,8 @@ class RolloutWorker:
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
     def run(self) -> None:
-        stop, heart = self.shared.stop, self.heart
-        while not stop.is_set():
+        heart = self.heart
+        while not self.shared.rollouts_over():  # the launcher's stop, or the trainer's last step taken
             heart.beat("load_weights")
             self.collect(self.sync())  # new weights, if any; an engine that interrupts requests may finish some
             if self.evaluation is not None:
@@ -97,7 +97,7 @@ class RolloutWorker:
             while self.engine.free_slots() - self.engine.num_waiting() >= self.k and self.shared.gate.try_start():
                 self.start_group()
             if not self.deliver_scored():
-                return  # stopped while the ring was full
+                return  # rollouts ended while the ring was full
             if self.engine.num_running() + self.engine.num_waiting() == 0:
                 if self.scoring:
                     heart.beat("score")
@@ -157,14 +157,14 @@ class RolloutWorker:
                 self.scoring.append(Scoring(completions, index, group_id, handle))
 
     def deliver_scored(self) -> bool:
-        """Scored groups into the ring, oldest first; False if the run stopped while the ring was full."""
+        """Scored groups into the ring, oldest first; False if rollouts ended while the ring was full."""
         while self.scoring and self.scoring[0].rewards.done():
             scored = self.scoring.popleft()
             group = to_group(scored.completions, scored.rewards.result(), scored.prompt_index, scored.group_id,
                              self.worker)
             while not self.shared.ring.put(group, timeout=0.5):
                 self.heart.beat("ring_put")
-                if self.shared.stop.is_set():
+                if self.shared.rollouts_over():
                     return False
             self.counters.add(self.worker, "groups")
             self.counters.set(self.worker, "reward_timeouts", self.pool.timeouts)

@@ -59,22 +59,25 @@ def main(raw) -> None:
     cfg = _precision(cfg, plan_name)
     quiet_libraries()
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
+    import tasks
     from models.loader import resolve
 
+    task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)  # a missing file or sandbox: before the model
     model_path = _or_exit(resolve, cfg.model.path)
     model_config = _or_exit(_model_config, model_path)
     plan = _or_exit(_plan, plan_name, cfg, model_path, model_config)
     if cfg.eval.only:
-        return _evaluate_only(cfg, plan, model_path, run_dir)
-    error = run(cfg, plan, model_path, run_dir, resume, config)
+        return _evaluate_only(cfg, plan, model_path, run_dir, task)
+    error = run(cfg, plan, model_path, run_dir, resume, config, task)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(130 if error == "interrupted" else 1)
     print(f"done: {run_dir}{_reached(run_dir)}")
 
 
-def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict) -> str | None:
-    """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None."""
+def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict, task=None) -> str | None:
+    """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None.
+    `task`: the task's data, as built from cfg.task (built here when not given)."""
 
     import tasks
     from buffer.heartbeat import Allowance, Heartbeats
@@ -90,7 +93,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from trainer.learner import Rank
     from trainer.loop import run as run_learner
 
-    task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
+    task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     _or_exit(engine_path, _model_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
@@ -113,6 +116,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         weights=plan.weights(_meta_model(model_path)),
         counters=WorkerCounters(workers),
         stop=sup.stop,
+        finish=sup.finished,
         cores=cores,
         hearts=hearts)
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
@@ -150,6 +154,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         if restarts >= plan.max_restarts or shared.counters.get(w, "groups") == delivered_at_start[w]:
             return False
         lost = shared.reclaim(w)
+        if lost is None:  # the trainer took its last step meanwhile: the worker is retired, not replaced
+            return False
         print(f"warning: {message.splitlines()[0]}; restarting it ({restarts + 1}/{plan.max_restarts}), {lost} "
               "unfinished groups dropped", file=sys.stderr)
         start_worker(w, shared.counters.get(w, "next_group"))
@@ -167,10 +173,18 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
-        sup.shutdown()
-        write_summary(run_dir, start, error, sup.peak_mb)
+        late = sup.shutdown()
+        if late:
+            print(f"warning: {late}", file=sys.stderr)
+        write_summary(run_dir, start, error, sup.peak_mb, _launcher_counts(shared.counters))
         draw_curves(run_dir)
     return error
+
+
+def _launcher_counts(counters) -> dict:
+    """What the launcher counted (worker restarts, groups lost with a dead worker), read once every process has
+    stopped: summary.json's, equal to the last metrics row's by construction (buffer.shared.Finish)."""
+    return {f"rollout/{name}": counters.total(name) for name in ("restarts", "lost_groups")}
 
 
 def _reached(run_dir: str) -> str:
@@ -239,7 +253,7 @@ def _eval_spec(cfg, stop_ids: tuple):
                     tuple(sorted(cfg.model.chat_template.items())))
 
 
-def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
+def _evaluate_only(cfg, plan, model_path, run_dir, task) -> None:
     """`eval.only=true`: the model's accuracy on the test split, printed and written as metrics; no training.
     It generates on the plan's first engine: a built-in engine, or SGLang on the GPU plan."""
     import torch
@@ -247,7 +261,6 @@ def _evaluate_only(cfg, plan, model_path, run_dir) -> None:
     import tasks
     from evaluate import evaluate, longest_request
 
-    task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = tasks.load_tokenizer(model_path, cfg.model.chat_template)
     spec = _eval_spec(cfg, _stop_ids(model_path))
     torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))  # alone: every core

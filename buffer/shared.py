@@ -3,14 +3,18 @@
     shared = Shared(ring, gate, weights, WorkerCounters(workers), StopFlag())
     rollout worker:  shared.gate.try_start(); shared.ring.put(group); shared.counters.add(w, "groups")
     trainer rank 0:  shared.ring.get(); shared.gate.set_version(v); shared.counters.total("tokens")
+    trainer rank 0:  shared.finish.set(read) after its last step: rollout workers stop, none is restarted
     launcher:        shared.reclaim(w) after worker w died; shared.stop.set() to end the run
 
 Everything in it is shared memory or a handle to it, so it crosses `spawn` as one argument. Nothing here can
-be held by a process that dies: the counters and the stop flag are plain shared tensors without locks.
+be held by a process that dies: the counters and the stop flag are plain shared tensors without locks, and the
+one lock (`Finish`'s) guards a short piece of bookkeeping and is taken with a timeout.
 """
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
+import torch.multiprocessing as mp
 
 from buffer.cores import Cores
 from buffer.heartbeat import Heartbeats, NoHeart
@@ -30,6 +34,40 @@ class StopFlag:
 
     def is_set(self) -> bool:
         return bool(self._flag[0])
+
+
+class Finish:
+    """Trainer rank 0's word that it has taken its last step: the rollout workers are no longer needed, they
+    stop, and the launcher restarts none of them (launch/supervisor.py retires them).
+
+    Rank 0 sets it and reads the counters for its last metrics row under the lock that the launcher's restart
+    bookkeeping (`Shared.reclaim`) takes too, so a restart is either counted in that row or never made."""
+
+    def __init__(self):
+        self._flag = torch.zeros(1, dtype=torch.uint8).share_memory_()
+        self._lock = mp.get_context("spawn").Lock()
+
+    def is_set(self) -> bool:
+        return bool(self._flag[0])
+
+    def set(self, read=lambda: None):
+        """Mark the steps finished; `read()`, run under the lock, gives what is returned (the last row's counts)."""
+        with self._lock:
+            self._flag[0] = 1
+            return read()
+
+    @contextmanager
+    def unless_set(self, timeout: float = 10.0):
+        """Hold the lock for a short piece of bookkeeping; yields whether the steps are finished. A lock held for
+        `timeout` seconds belongs to a rank 0 that died inside `set`: the steps count as finished (the
+        trainer's death ends the run anyway)."""
+        if not self._lock.acquire(timeout=timeout):
+            yield True
+            return
+        try:
+            yield self.is_set()
+        finally:
+            self._lock.release()
 
 
 SANDBOX_KILLS = ("sandbox_kills_time", "sandbox_kills_memory", "sandbox_kills_output")
@@ -80,6 +118,7 @@ class Shared:
     weights: object  # the plan's weight path (engines.base.WeightPath), trainer -> engines
     counters: WorkerCounters
     stop: StopFlag
+    finish: Finish = field(default_factory=Finish)  # trainer rank 0 has taken its last step
     cores: Cores | None = None  # who uses the CPU cores now (None: nobody changes thread counts)
     hearts: Heartbeats | None = None  # each process's last progress and phase (None: nobody watches)
 
@@ -87,10 +126,21 @@ class Shared:
         """`name`'s heartbeat (buffer/heartbeat.py), or one that goes nowhere when nobody watches."""
         return self.hearts.of(name) if self.hearts is not None else NoHeart()
 
-    def reclaim(self, worker: int) -> int:
+    def rollouts_over(self) -> bool:
+        """Rollout workers stop: the launcher asked everyone to, or the trainer has taken its last step."""
+        return self.stop.is_set() or self.finish.is_set()
+
+    def reclaim(self, worker: int) -> int | None:
         """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered are
-        dropped and their staleness budget handed back. Groups it had put in the ring stay (none lost, none
-        twice). Returns how many were dropped; a replacement starts at the worker's `next_group`."""
+        dropped and their staleness budget handed back, and its restart is counted. Groups it had put in the
+        ring stay (none lost, none twice). Returns how many were dropped (a replacement starts at the worker's
+        `next_group`), or None, touching nothing, once the trainer has taken its last step: no restart then."""
+        with self.finish.unless_set() as finished:
+            if finished:
+                return None
+            return self._reclaim(worker)
+
+    def _reclaim(self, worker: int) -> int:
         self.ring.reclaim(worker)
         self.gate.recover()
         lost = self.counters.get(worker, "started") - self.counters.get(worker, "groups")

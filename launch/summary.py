@@ -32,7 +32,9 @@ def completed(run_dir: str, steps: int) -> bool:
     return summary.get("status") == "completed" and summary.get("steps") == steps
 
 
-def write_summary(run_dir, start, error, peak_mb):
+def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None):
+    """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's own
+    counters, read after every process stopped)."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -54,6 +56,7 @@ def write_summary(run_dir, start, error, peak_mb):
         "peak_memory_mb": round(peak_mb),
         "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
+        **(counts or {}),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

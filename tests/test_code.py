@@ -373,10 +373,12 @@ def test_no_bubblewrap_stops_the_run_at_start_with_one_line(tmp_path):
 
     from tests.helpers import train_cmd
     result = subprocess.run(train_cmd(tmp_path / "run", "task=code", f"task.path={data}"), cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, PATH="/nonexistent"))
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PATH="/nonexistent", RINGRL_CACHE=str(tmp_path / "cache")))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and "apt-get install bubblewrap" in lines[0], result.stderr
+    assert not (tmp_path / "cache").exists()  # said before the embedded model's 20 s conversion, as on a new machine
     assert sys.executable  # the launcher itself needs no PATH
 
 

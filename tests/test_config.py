@@ -104,7 +104,11 @@ def test_presets_and_the_command_line_compose_in_order():
 
 TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
     (["stepz=3"], "unknown config key 'stepz'"),
-    (["train.lrr=1"], "unknown config key 'train.lrr'"),
+    (["rollout.group_sise=4"], "unknown config key 'rollout.group_sise'"),
+    (["algo=grpo", "algo.clip_epz=0.2"], "unknown config key 'algo.clip_epz' for algo=grpo"),
+    (["algo=nope"], "unknown algo 'nope'"),
+    (["task=nope"], "unknown task 'nope'"),
+    (["train.lrr=1"], "unknown config key 'train.lrr' (known: autocast, batch_groups, compile, grad_clip, lora, lr,"),
     (["rollout.groupsize=4"], "unknown config key 'rollout.groupsize'"),
     (["model.pth=x"], "unknown config key 'model.pth'"),
     (["cluster.rollout_worker=2"], "unknown config key 'cluster.rollout_worker'"),
@@ -129,6 +133,38 @@ TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
 def test_a_typo_anywhere_names_the_key_in_one_line(overrides, message):
     with pytest.raises(ValueError) as error:
         check_overrides(overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+RANGES = [  # values of the right type but out of range: refused by the schema's checks, in one line
+    (["steps=0"], "config key 'steps' must be >= 1"),
+    (["max_staleness=-1"], "config key 'max_staleness' must be >= 0"),
+    (["algo=tb", "rollout.group_size=1"], "config key 'rollout.group_size' must be >= 2"),
+    (["algo=online_dpo", "rollout.group_size=1"], "config key 'rollout.group_size' must be >= 2"),
+    (["train.batch_groups=0"], "config key 'train.batch_groups' must be >= 1"),
+    (["train.micro_tokens=-1"], "config key 'train.micro_tokens' must be >= 0"),
+    (["rollout.max_new_tokens=0"], "config key 'rollout.max_new_tokens' must be >= 1"),
+    (["rollout.temperature=0"], "config key 'rollout.temperature' must be > 0"),
+    (["rollout.top_p=1.5"], "config key 'rollout.top_p' must be in (0, 1]"),
+    (["rollout.dtype=float16"], "config key 'rollout.dtype' must be auto, bfloat16 or float32"),
+    (["algo=grpo", "algo.clip_eps=3"], "config key 'algo.clip_eps' must be in (0, 1)"),
+    (["train.lr=-1e-5"], "config key 'train.lr' must be > 0"),
+    (["eval.k=0"], "config key 'eval.k' must be >= 1"),
+    (["checkpoint.keep=-1"], "config key 'checkpoint.keep' must be >= 0"),
+    (["buffer.sampler=lifo"], "config key 'buffer.sampler' must be auto, fifo or tba"),
+    (["logger=mlflow"], "config key 'logger' must be none, tensorboard or wandb"),
+    (["cluster.threads_per_process=4096"], "must fit the"),
+    (["cluster=cpu2", "train.batch_groups=3"], "config key 'train.batch_groups' must be divisible by "
+                                               "cluster.trainer_ranks=2"),
+    (["task.max_operand=0"], "config key 'task.max_operand' must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", RANGES, ids=[" ".join(o) for o, _ in RANGES])
+def test_a_value_out_of_range_names_the_key_in_one_line(overrides, message):
+    check_overrides(overrides)  # the right keys and types: only the ranges refuse them
+    with pytest.raises(ValueError) as error:
+        parse(compose(overrides))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

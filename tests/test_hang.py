@@ -66,15 +66,14 @@ def test_the_supervisor_names_dumps_and_kills_a_stuck_process(tmp_path, stop_sel
     hearts = Heartbeats(["rollout-0"])
     sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=2.0, slow_s=30.0, start_s=30.0))
     try:
-        start = time.monotonic()
         sup.start("rollout-0", _beat_then_hang, dict(hearts=hearts, name="rollout-0", stop_self=stop_self), 1,
                   essential=True)
         message = sup.watch()
-        took = time.monotonic() - start
     finally:
         sup.shutdown()
     assert message.startswith("rollout-0 stuck in generate for ") and "\n" not in message
-    assert took < 30  # start-up (spawn, imports) under the slow allowance, then 2 s, then the dump
+    seconds = int(message.split(" for ")[1].split(" s")[0])
+    assert 2 <= seconds < 30  # judged by the hang allowance since its last beat, not the slow one
     [stack] = os.listdir(tmp_path / "stacks")
     assert stack.startswith("rollout-0-") and stack in message
     assert "in _beat_then_hang" in (tmp_path / "stacks" / stack).read_text()
@@ -90,6 +89,67 @@ def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
         assert sup.watch().startswith("rollout-0 stuck in start for ")
     finally:
         sup.shutdown()
+
+
+def _trainer_that_finishes_then_lingers(hearts, finished, hang_s):
+    """Marks the last step taken, then checkpoints (a slow phase) until rollout-0 has gone without a beat for
+    three times its allowance: long enough for a watch that still checked it to have killed it."""
+    heart = hearts.of("trainer-0")
+    heart.beat("train_step")
+    finished.set()
+    while True:
+        heart.beat("checkpoint")
+        ages = {name: age for name, _, age in hearts.stuck(Allowance(hang_s, hang_s, hang_s))}
+        if ages.get("rollout-0", 0) > 3 * hang_s:
+            return
+        time.sleep(0.05)
+
+
+def _worker_that_stops_after_the_last_step(hearts, finished, stop):
+    heart = hearts.of("rollout-0")
+    while not finished.is_set():
+        heart.beat("generate")
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGSTOP)  # stopped after the last step, before it could exit
+    while not stop.is_set():  # continued by the shutdown: it stops as asked
+        time.sleep(0.01)
+
+
+def test_after_the_last_step_a_stopped_worker_is_neither_dumped_nor_killed_nor_restarted(tmp_path):
+    hearts = Heartbeats(["rollout-0", "trainer-0"])
+    sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=1.0, slow_s=60.0, start_s=60.0))
+    failures = []
+    try:
+        sup.start("rollout-0", _worker_that_stops_after_the_last_step,
+                  dict(hearts=hearts, finished=sup.finished, stop=sup.stop), 1)
+        sup.start("trainer-0", _trainer_that_finishes_then_lingers,
+                  dict(hearts=hearts, finished=sup.finished, hang_s=1.0), 1, essential=True)
+        outcome = sup.watch(on_failure=lambda name, message: failures.append(message))
+    finally:
+        late = sup.shutdown(grace=20)
+    assert outcome is None and failures == []
+    assert not (tmp_path / "stacks").exists()
+    assert late is None and sup.procs["rollout-0"].exitcode == 0  # continued, it saw the stop and exited
+
+
+def _ignores_the_stop(hearts):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    hearts.of("rollout-0").beat("generate")
+    _a_function_that_never_returns()
+
+
+def test_the_shutdown_names_what_it_had_to_kill():
+    hearts = Heartbeats(["rollout-0"])
+    sup = Supervisor(hearts=hearts)
+    try:
+        sup.start("rollout-0", _ignores_the_stop, dict(hearts=hearts), 1)
+        while hearts.phase("rollout-0") != "generate":  # SIGTERM ignored from here on
+            assert sup.procs["rollout-0"].exitcode is None
+            time.sleep(0.01)
+    finally:
+        late = sup.shutdown(grace=0.5)
+    assert late == "rollout-0 did not stop within 0.5 s of being asked to; killed"
+    assert sup.procs["rollout-0"].exitcode == -signal.SIGKILL
 
 
 def test_a_kill_nobody_asked_for_is_reported_as_probably_out_of_memory():
@@ -141,13 +201,20 @@ HANG = ("cluster.hang_timeout_s=5", "eval.every=0", "progress=false")
 def _start(run_dir, model_dir, *overrides, steps=1000, first_row=True):
     proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *HANG, *overrides),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while first_row and not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):
+    if first_row:
+        _wait_rows(proc, run_dir, 1)
+    return proc
+
+
+def _wait_rows(proc, run_dir, n: int, timeout: float = 300) -> None:
+    """Until metrics.jsonl has `n` rows (polled often: what a test does next must land close behind)."""
+    deadline = time.time() + timeout
+    path = run_dir / "metrics.jsonl"
+    while not (path.exists() and path.read_text().count("\n") >= n):
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise AssertionError(f"the run did not start: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.2)
-    return proc
+            raise AssertionError(f"no row {n}: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.005)
 
 
 def _process(proc, name: str, timeout: float = 120) -> int:
@@ -159,6 +226,15 @@ def _process(proc, name: str, timeout: float = 120) -> int:
         time.sleep(0.05)
     proc.kill()
     raise AssertionError(f"no {name} process")
+
+
+def _signal(pid: int, name: str, sig) -> None:
+    """Send `sig` to `pid` if it is still `name`'s process (it may have exited, and its pid been reused)."""
+    if comm(pid) == name:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _rows(run_dir):
@@ -175,30 +251,70 @@ def _stderr_at_end(proc, timeout: float = 120) -> str:
             proc.kill()
 
 
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def test_a_stopped_rollout_worker_is_named_dumped_replaced_and_the_run_finishes(tiny_model_dir, tmp_path):
-    proc = _start(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=1", steps=8)
-    os.kill(_process(proc, "rollout-0"), signal.SIGSTOP)
-    stopped = time.time()
+    """The stop lands where the run cannot finish without a restart, whatever this machine's speed: trainer-0 is
+    held while rollout-0 is stopped, so the rows written then bound what the worker can have started (the gate:
+    (max_staleness + version + 1) * B groups, version <= rows + 1), hence the steps the trainer can take."""
+    steps, eta = 10, 1
+    proc = _start(tmp_path, tiny_model_dir, f"max_staleness={eta}", "cluster.max_restarts=1", steps=steps,
+                  first_row=False)
+    worker, trainer = _process(proc, "rollout-0"), _process(proc, "trainer-0")
+    _wait_rows(proc, tmp_path, 1)
+    os.kill(trainer, signal.SIGSTOP)
+    os.kill(worker, signal.SIGSTOP)
+    stopped, rows_then = time.time(), len(_rows(tmp_path))
+    os.kill(trainer, signal.SIGCONT)
+    assert eta + rows_then + 2 < steps, f"the stop landed too late to force a restart ({rows_then} rows)"
     stderr = _stderr_at_end(proc, timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
     line = next(line for line in stderr.splitlines() if "rollout-0 stuck in" in line)
     assert "restarting it (1/1)" in line
     seconds = int(line.split(" for ")[1].split(" s")[0])
-    assert 5 <= seconds <= 5 + 5  # hang_timeout_s, plus the watch's 1-second rounds, on a busy machine
+    assert 5 <= seconds < 60  # hang_timeout_s, plus the watch's rounds; far below slow_timeout_s
     [stack] = os.listdir(tmp_path / "stacks")
     assert os.path.getmtime(tmp_path / "stacks" / stack) - stopped < 60
     assert "File " in (tmp_path / "stacks" / stack).read_text()
     rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    assert max(r["staleness_max"] for r in rows) <= 1 and rows[-1]["rollout/restarts"] == 1
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert max(r["staleness_max"] for r in rows) <= eta and rows[-1]["rollout/restarts"] == 1
+    summary = _summary(tmp_path)
+    assert summary["rollout/restarts"] == 1 and summary["rollout/lost_groups"] == rows[-1]["rollout/lost_groups"]
+
+
+def test_a_worker_stopped_after_the_last_step_is_not_restarted_and_the_counts_agree(tiny_model_dir, tmp_path):
+    """Once the last row is written, rollout-0 is stopped (if it has not already exited, as it does once the
+    trainer is done) and trainer-0 is held past the hang allowance: the shutdown, not the watchdog, deals with
+    the worker. Whether the launcher would have acted can only be seen after its allowance has passed: hence
+    the one wait for time here, which on a slow machine can only make the test pass less strictly."""
+    steps = 3
+    proc = _start(tmp_path, tiny_model_dir, "max_staleness=1", "cluster.max_restarts=3", steps=steps,
+                  first_row=False)
+    worker, trainer = _process(proc, "rollout-0"), _process(proc, "trainer-0")
+    _wait_rows(proc, tmp_path, steps)
+    _signal(trainer, "trainer-0", signal.SIGSTOP)
+    _signal(worker, "rollout-0", signal.SIGSTOP)
+    time.sleep(5 + 4)  # cluster.hang_timeout_s, and a few of the watch's 1-second rounds
+    _signal(trainer, "trainer-0", signal.SIGCONT)
+    stderr = _stderr_at_end(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stuck" not in stderr and "restarting" not in stderr, stderr[-3000:]
+    assert not (tmp_path / "stacks").exists()
+    last, summary = _rows(tmp_path)[-1], _summary(tmp_path)
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert {k: summary[k] for k in ("rollout/restarts", "rollout/lost_groups")} == \
+        {k: last[k] for k in ("rollout/restarts", "rollout/lost_groups")} == {"rollout/restarts": 0,
+                                                                           "rollout/lost_groups": 0}
 
 
 def test_a_stopped_trainer_stops_the_run_in_one_line_and_keeps_its_checkpoint(tiny_model_dir, tmp_path):
     before = shm_files()
     # slow phases (a checkpoint every step here) get 8 s: the stop may land in one
     proc = _start(tmp_path, tiny_model_dir, "checkpoint.every=1", "cluster.slow_timeout_s=8")
-    while len(_rows(tmp_path)) < 2:
-        time.sleep(0.1)
+    _wait_rows(proc, tmp_path, 2)  # step_1's checkpoint is written before row 2
     family = descendants(proc.pid)
     os.kill(_process(proc, "trainer-0"), signal.SIGSTOP)
     stderr = _stderr_at_end(proc)
@@ -221,5 +337,6 @@ def test_a_worker_stuck_before_its_first_group_stops_the_run_and_is_not_restarte
     os.kill(_process(proc, "rollout-0"), signal.SIGSTOP)  # at once: still loading its tokenizer, task, engine
     stderr = _stderr_at_end(proc)
     assert proc.returncode == 1
-    assert "error: rollout-0 stuck in start for " in stderr and "restarting" not in stderr, stderr[-3000:]
+    # in `start` unless this machine got it through start-up before the stop landed; never restarted either way
+    assert "error: rollout-0 stuck in " in stderr and "restarting" not in stderr, stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not _rows(tmp_path)

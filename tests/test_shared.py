@@ -2,7 +2,7 @@
 import pytest
 
 from buffer.ring import TrajectoryRing
-from buffer.shared import Shared, StopFlag, WorkerCounters
+from buffer.shared import Finish, Shared, StopFlag, WorkerCounters
 from buffer.staleness import StalenessGate
 from tests.test_ring import MAX_NEW, MAX_PROMPT, K, make_group
 
@@ -45,3 +45,37 @@ def test_reclaiming_a_dead_worker_drops_only_what_it_had_not_delivered():
     assert not shared.stop.is_set()
     shared.stop.set()
     assert shared.stop.is_set()
+
+
+def test_after_the_last_step_a_dead_worker_is_not_reclaimed_and_the_last_row_counts_every_restart():
+    """Rank 0 marks its last step and reads the counters under the lock the launcher's restart bookkeeping takes:
+    a restart before it is in the row, none happens after it."""
+    ring = TrajectoryRing(8, K, MAX_PROMPT, MAX_NEW, num_producers=1)
+    gate = StalenessGate(batch_groups=2, max_staleness=1)
+    shared = Shared(ring, gate, weights=None, counters=WorkerCounters(1), stop=StopFlag())
+    assert gate.try_start()
+    shared.counters.add(0, "started")
+    assert not shared.rollouts_over()
+    assert shared.reclaim(0) == 1  # before the last step: reclaimed, counted
+    assert shared.finish.set(lambda: shared.counters.total("restarts")) == 1
+    assert shared.rollouts_over() and not shared.stop.is_set()
+    assert gate.try_start()
+    shared.counters.add(0, "started")
+    assert shared.reclaim(0) is None  # after it: untouched, no restart to count
+    assert (shared.counters.total("restarts"), shared.counters.get(0, "started"), gate.started) == (1, 1, 1)
+
+
+def test_the_finish_lock_orders_a_restart_against_the_last_row():
+    """While the launcher holds the lock for a restart, rank 0 cannot mark the end; and once marked, the launcher
+    sees it."""
+    import threading
+
+    finish = Finish()
+    marked = threading.Event()
+    with finish.unless_set() as finished:
+        assert not finished
+        threading.Thread(target=lambda: (finish.set(), marked.set()), daemon=True).start()
+        assert not marked.wait(0.3) and not finish.is_set()
+    assert marked.wait(10) and finish.is_set()
+    with finish.unless_set() as finished:
+        assert finished

@@ -194,44 +194,20 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
     assert [r["step"] for r in _metrics(tmp_path)] == list(range(1, step + 2))
 
 
+# One bad value per stage of the launcher that can refuse it, run through train.py: the command line's check
+# (before Hydra), the schema's ranges, the task's data, the model, the device plan, the engine, resume and the
+# prompt budget. Every other key's message is checked in-process by tests/test_config.py (TYPOS, RANGES), where
+# it costs milliseconds instead of a Python start-up.
 BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's scratch folder
     ("stepz=3", "unknown config key 'stepz'"),
-    ("rollout.group_sise=4", "unknown config key 'rollout.group_sise'"),
-    ("train.lrr=1", "unknown config key 'train.lrr' (known: autocast, batch_groups, compile, grad_clip, lora, lr,"),
-    ("rollout.groupsize=4", "unknown config key 'rollout.groupsize'"),
     ("algo=tb algo.beta=1", "unknown config key 'algo.beta' for algo=tb (known: beta_end, beta_start,"),
-    ("algo=grpo algo.clip_epz=0.2", "unknown config key 'algo.clip_epz' for algo=grpo"),
-    ("algo=nope", "unknown algo 'nope'"),
-    ("task=nope", "unknown task 'nope'"),
-    ("task=gsm8k task.pathh=x", "unknown config key 'task.pathh' for task=gsm8k"),
-    ("steps=0", "config key 'steps' must be >= 1"),
     ("max_staleness=-1", "config key 'max_staleness' must be >= 0"),
-    ("algo=tb rollout.group_size=1", "config key 'rollout.group_size' must be >= 2"),
-    ("algo=online_dpo rollout.group_size=1", "config key 'rollout.group_size' must be >= 2"),
-    ("train.batch_groups=0", "config key 'train.batch_groups' must be >= 1"),
-    ("train.micro_tokens=-1", "config key 'train.micro_tokens' must be >= 0"),
-    ("rollout.max_new_tokens=0", "config key 'rollout.max_new_tokens' must be >= 1"),
-    ("rollout.temperature=0", "config key 'rollout.temperature' must be > 0"),
-    ("rollout.top_p=1.5", "config key 'rollout.top_p' must be in (0, 1]"),
-    ("rollout.dtype=float16", "config key 'rollout.dtype' must be auto, bfloat16 or float32"),
-    ("algo=grpo algo.clip_eps=3", "config key 'algo.clip_eps' must be in (0, 1)"),
-    ("train.lr=fast", "config key 'train.lr' must be of type float"),
-    ("train.lr=-1e-5", "config key 'train.lr' must be > 0"),
-    ("eval.k=0", "config key 'eval.k' must be >= 1"),
-    ("checkpoint.keep=-1", "config key 'checkpoint.keep' must be >= 0"),
-    ("buffer.sampler=lifo", "config key 'buffer.sampler' must be auto, fifo or tba"),
-    ("logger=mlflow", "config key 'logger' must be none, tensorboard or wandb"),
-    ("cluster.threads_per_process=4096", "must fit the"),
-    ("cluster=cpu2 train.batch_groups=3",
-     "config key 'train.batch_groups' must be divisible by cluster.trainer_ranks=2"),
-    ("task.max_operand=0", "config key 'task.max_operand' must be >= 1"),
     ("model.path=/no/such/model", "model.path '/no/such/model' is not a folder"),
     ("task=gsm8k task.path={tmp}/nope.jsonl", "nope.jsonl"),
     ("task=gsm8k task.path={tmp}/garbage.jsonl", "garbage.jsonl"),
     ("rollout.max_prompt_len=3", "config key 'rollout.max_prompt_len' (3) is below every training prompt"),
     ("resume={tmp}", "has no config.yaml"),
     ("cluster=gpu8", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
-    ("cluster=gpu1", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
     ("rollout.engine=sglang", "rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin"),
 ]
 

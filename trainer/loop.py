@@ -141,7 +141,9 @@ class _Loop:
                 shared.gate.set_version(step)  # after publishing: new groups must start on the new weights
                 if evaluating and self.max_staleness > 0:
                     results = self._evaluate(step)
-                now, tokens = time.time(), shared.counters.total("tokens")
+                # After the last step the workers stop and none is restarted; the row counts every restart.
+                counts = shared.finish.set(lambda: _counts(shared)) if step == self.steps else _counts(shared)
+                now, tokens = time.time(), counts.pop("tokens")
                 self.log.log({
                     "step": step, "time_s": round(now - self.start, 3),
                     "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
@@ -149,13 +151,9 @@ class _Loop:
                     "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
                     "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
                     "reward/batch_mean": batch.rewards.mean().item(),
-                    "reward/timeouts": shared.counters.total("reward_timeouts"),
-                    "reward/errors": shared.counters.total("reward_errors"),
-                    **{f"reward/{name}": shared.counters.total(name) for name in SANDBOX_KILLS},
                     "perf/train_step_s": train_time, "perf/wait_s": wait_time, "perf/train_threads": threads,
                     "perf/completion_len": batch.mask.sum(1).mean().item(),
-                    **{f"rollout/{name}": shared.counters.total(name) for name in WORKER_COUNTERS},
-                    **info, **metrics, **results,
+                    **counts, **info, **metrics, **results,
                 })
                 last_tokens, last_time = tokens, now
             every, at_end = self.checkpoint_cfg.every, self.checkpoint_cfg.at_end
@@ -234,6 +232,14 @@ class _Loop:
             taken.append(group)
         self.replay.expire_fresh(version, self.max_staleness)
         return taken, dropped
+
+
+def _counts(shared: Shared) -> dict:
+    """The rollout workers' counters, summed, under their metric names ("tokens" for the throughput)."""
+    total = shared.counters.total
+    return {"tokens": total("tokens"), "reward/timeouts": total("reward_timeouts"),
+            "reward/errors": total("reward_errors"), **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
+            **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS}}
 
 
 def _sampler(choice: str, algo: str) -> str:
