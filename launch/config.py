@@ -248,9 +248,13 @@ class Config:
                  "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
                  self.buffer.per_prompt_capacity)
         c = self.cluster
-        threads = (c.rollout_workers + c.trainer_ranks) * max(c.threads_per_process, 1)
+        threads = (c.rollout_workers + c.trainer_ranks) * c.threads_per_process
         cores = len(os.sched_getaffinity(0))
-        _require(c.plan == "gpu" or c.oversubscribe or threads <= cores, "cluster.rollout_workers",
+        # Thread pools bigger than the cores left to them spin against each other (README, "Which allocation of
+        # cores wins"); one thread per process only takes turns, and auto (0) never gives a process more than
+        # its share when the sides overlap: the default runs on one core too.
+        _require(c.plan == "gpu" or c.oversubscribe or c.threads_per_process <= 1 or threads <= cores,
+                 "cluster.rollout_workers",
                  f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
                  "(or set cluster.oversubscribe=true)",
                  f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")

@@ -168,6 +168,17 @@ def test_a_value_out_of_range_names_the_key_in_one_line(overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_the_default_runs_on_one_core_and_fixed_thread_pools_must_fit_the_cores(monkeypatch):
+    """One thread per process (auto's share when the sides overlap, or threads_per_process=1) only takes turns
+    on a core; bigger fixed pools than the cores are refused unless asked for."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    for overrides in ([], ["max_staleness=2"], ["cluster=cpu2"], ["cluster.threads_per_process=1"]):
+        parse(compose(overrides))
+    with pytest.raises(ValueError, match=r"must fit the 1 cores here \(or set cluster.oversubscribe=true\)"):
+        parse(compose(["cluster.threads_per_process=2"]))
+    parse(compose(["cluster.threads_per_process=2", "cluster.oversubscribe=true"]))
+
+
 def test_good_overrides_pass_the_check():
     check_overrides(["-m", "max_staleness=0,1,2", "algo=tb,ppo", "train.lr=1e-5", "train.lr=1", "task=gsm8k",
                      "task.path=/x", "hydra.run.dir=/tmp/x", "resume=", "rollout.max_new_tokens=32"])
