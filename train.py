@@ -338,4 +338,13 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     register()
-    hydra.main(version_base=None, config_path="conf", config_name="config")(main)()
+    try:
+        hydra.main(version_base=None, config_path="conf", config_name="config")(main)()
+        code = 0
+    except SystemExit as e:  # our sys.exit(1 / 2 / 130), or Hydra's
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    from launch.supervisor import fast_exit
+
+    fast_exit(code)  # every process has stopped and every file is written: skip the 2 s interpreter teardown
