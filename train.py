@@ -53,10 +53,10 @@ def main(raw) -> None:
 
     import torch
 
-    from launch.plan import device_plan, quiet_libraries
+    from launch.plan import compute_device, device_plan, quiet_libraries
 
-    plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count())
-    cfg = _precision(cfg, plan_name)
+    plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count(), cfg.cluster.device)
+    cfg = _precision(cfg, compute_device(plan_name, cfg.cluster.device))
     quiet_libraries()
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
     import tasks
@@ -225,9 +225,9 @@ def _model_config(model_path: str):
 def _plan(name: str, cfg, model_path: str, model_config):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
     from engines.arch import engine_path
-    from launch.plan import CPUPlan, engine_kind
+    from launch.plan import CPUPlan, compute_device, engine_kind
 
-    engine, notice = engine_kind(cfg.rollout.engine, name)
+    engine, notice = engine_kind(cfg.rollout.engine, compute_device(name, cfg.cluster.device))
     if notice:
         NOTICES.append(notice)
     if engine == "builtin":
@@ -239,10 +239,14 @@ def _plan(name: str, cfg, model_path: str, model_config):
 
     from launch.gpu import gpu_plan
 
+    if cfg.cluster.device == "cpu":  # the one-GPU layout, its "GPU" this machine's memory
+        gpus, gpu_bytes = 1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        gpus, gpu_bytes = torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
     plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups // cfg.train.minibatches,
-                    _meta_model(model_path),
-                    torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory, engine=engine)
-    print(f"gpu plan: {plan.layout.describe()}; engine: {engine}")
+                    _meta_model(model_path), gpus, gpu_bytes, engine=engine)
+    print(f"gpu plan{' on the cpu' if cfg.cluster.device == 'cpu' else ''}: {plan.layout.describe()}; "
+          f"engine: {engine}")
     return plan
 
 

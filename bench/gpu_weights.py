@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bench.shapes import add_model_arguments, random_model
-from buffer.shared import StopFlag
+from buffer.shared import stop_when_dead
 from engines.builtin import BuiltinEngine
 from engines.weight_sync import GPUWeights, WeightChannel, weight_specs
 from launch.plan import free_port
@@ -113,7 +113,6 @@ def main():
         policy = placement.load(path, 1)
         weights = GPUWeights(WeightChannel(1, ctx), [1], "ipc", args.bucket_mb << 20, None, None, loader="builtin",
                              dtype=dtype)
-        publish = weights.publisher(policy, True, StopFlag())
         # What publish ships: every floating-point weight once (a tied lm_head is the embedding), in the engine dtype.
         specs = weight_specs(policy.state_dict().items(), policy.lm.config.tie_word_embeddings, dtype)
         nbytes = sum(shape.numel() * kind.itemsize for _, shape, kind in specs)
@@ -123,6 +122,7 @@ def main():
         # daemon: should this process die, the child goes with it
         child = ctx.Process(target=follow, args=(weights, path, str(device), dtype, args.reps, loaded), daemon=True)
         child.start()
+        publish = weights.publisher(policy, True, stop_when_dead(child))  # a dead engine: no 600 s wait for acks
         try:
             wait_for(loaded, child, 0, CHILD_START_S)
             publish_s, sync_s = [], []

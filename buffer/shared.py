@@ -36,6 +36,23 @@ class StopFlag:
         return bool(self._flag[0])
 
 
+def stop_when_dead(process, stop: "StopFlag | None" = None) -> "StopFlag":
+    """A stop flag that trips as soon as `process` (a multiprocessing Process) ends: for a weight publisher whose
+    engine runs in a child that no launcher supervises (the GPU tests and benchmarks), so that a dead engine
+    ends the wait for its acks at once instead of after the channel's 600 s."""
+    import threading
+    from multiprocessing.connection import wait
+
+    stop = stop or StopFlag()
+
+    def watch():
+        wait([process.sentinel])
+        stop.set()
+
+    threading.Thread(target=watch, name="stop-when-dead", daemon=True).start()
+    return stop
+
+
 class Finish:
     """Trainer rank 0's word that it has taken its last step: the rollout workers are no longer needed, they
     stop, and the launcher restarts none of them (launch/supervisor.py retires them).

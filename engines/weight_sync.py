@@ -232,9 +232,11 @@ class GPUWeights:
         return bool(self.ready.all())
 
     def publisher(self, policy, lead: bool, stop) -> Callable:
-        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights."""
+        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights. The
+        buckets are planned from what the policy says it will stream (`published_shapes`: a LoRA model's merged
+        weights), not from its state dict."""
         device = next(policy.parameters()).device
-        return Publisher(policy.state_dict().items(), policy.lm.config.tie_word_embeddings, self.channel,
+        return Publisher(policy.published_shapes(), policy.lm.config.tie_word_embeddings, self.channel,
                          self.tp_sizes, lead, device, self.bucket_bytes, self.mode, dtype=self.dtype,
                          nccl_address=self.nccl_address, serialize=self.serialize, stop=stop).publish
 

@@ -52,6 +52,9 @@ class ClusterConfig:
     mem_fraction_static: float = 0.0  # SGLang's share of a generation GPU: bf16 weights + KV cache (0: the layout's)
     weight_sync: str = "ipc"  # ipc (CUDA IPC handles, GPUs with peer access) | nccl (broadcast from trainer rank 0)
     bucket_mb: int = 512  # weight-sync bucket: extra GPU memory on trainer rank 0, and the unit of transfer
+    # cuda | cpu: where the GPU plan's processes compute. cpu runs the one-GPU plan's own classes (the built-in
+    # engine, FSDP2 on gloo, weight buckets through shared memory) on the CPU: the GPU path tried without a GPU
+    device: str = "cuda"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
 
     def check(self):
@@ -71,6 +74,7 @@ class ClusterConfig:
                  self.mem_fraction_static)
         _require(self.weight_sync in ("ipc", "nccl"), "cluster.weight_sync", "must be ipc or nccl", self.weight_sync)
         _require(self.bucket_mb >= 1, "cluster.bucket_mb", "must be >= 1", self.bucket_mb)
+        _require(self.device in ("cuda", "cpu"), "cluster.device", "must be cuda or cpu", self.device)
 
 
 @dataclass

@@ -41,7 +41,7 @@ def gpu_plan(cluster, rollout, minibatch_groups: int, meta_model, num_gpus: int,
         raise ValueError(f"config key 'train.batch_groups' (per minibatch, if train.minibatches > 1) must be "
                          f"divisible by the layout's {layout.num_trainer_ranks} trainer ranks (got {minibatch_groups})")
     return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing,
-                   engine_kind=engine, engine_dtype=rollout.dtype)
+                   engine_kind=engine, engine_dtype=rollout.dtype, device_type=cluster.device)
 
 
 # On one GPU the trainer rank may take what the engine leaves, less this headroom for CUDA's own needs (its

@@ -14,12 +14,20 @@ from typing import Protocol, runtime_checkable
 from launch.layout import auto_plan
 
 
-def device_plan(plan: str, num_gpus: int) -> str:
-    """`cpu` or `gpu`; `auto` is gpu when torch sees CUDA GPUs."""
+def device_plan(plan: str, num_gpus: int, device: str = "cuda") -> str:
+    """`cpu` or `gpu`; `auto` is gpu when torch sees CUDA GPUs. device: cluster.device (cpu: the GPU plan may
+    run without a GPU, on the CPU)."""
     chosen = auto_plan(num_gpus) if plan == "auto" else plan
-    if chosen == "gpu" and num_gpus == 0:
-        raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu")
+    if chosen == "gpu" and num_gpus == 0 and device == "cuda":
+        raise ValueError("cluster.plan=gpu needs CUDA GPUs and torch sees none; use cluster=cpu (or "
+                         "cluster.device=cpu to try the GPU plan's code on the CPU)")
     return chosen
+
+
+def compute_device(plan: str, device: str) -> str:
+    """What the plan's processes compute on, for the choices that depend on it (precision, engine): `gpu` for
+    the GPU plan on CUDA, `cpu` for the CPU plan and for the GPU plan run with cluster.device=cpu."""
+    return "gpu" if plan == "gpu" and device == "cuda" else "cpu"
 
 
 def native_bf16(plan: str) -> bool:

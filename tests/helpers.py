@@ -10,8 +10,18 @@ def train_cmd(run_dir, *overrides):
     return [sys.executable, os.path.join(ROOT, "train.py"), f"hydra.run.dir={run_dir}", "progress=false", *overrides]
 
 
+def die_with_parent() -> None:
+    """preexec_fn for a train.py the tests start: the kernel kills it if pytest dies (a killed pytest on a GPU
+    machine would otherwise leave a launcher and its processes holding the GPU)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_train(run_dir, *overrides, timeout=300):
-    return subprocess.run(train_cmd(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(train_cmd(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=die_with_parent)
 
 
 def descendants(pid: int) -> list[int]:

@@ -2,6 +2,7 @@
 CUDA IPC. Skipped without CUDA (`pytest -m gpu`); scripts/gpu_check.sh runs them on a GPU machine."""
 import multiprocessing as mp
 import queue
+import time
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
     the engine process maps them over CUDA IPC and copies them into its weights, version after version."""
     import torch.distributed as dist
 
-    from buffer.shared import StopFlag
+    from buffer.shared import stop_when_dead
     from engines.weight_sync import GPUWeights, WeightChannel
     from launch.plan import free_port
     from trainer.gpu_policy import GPUPlacement
@@ -90,17 +91,14 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
     child.start()
     try:
         policy = placement.load(tiny_model_dir, 1)
-        publish = weights.publisher(policy, True, StopFlag())
+        publish = weights.publisher(policy, True, stop_when_dead(child))  # a dead engine: no 600 s wait for acks
         for version in (1, 2):
             with torch.no_grad():
                 for p in policy.parameters():
                     p.add_(0.01 * version)
             expected = {n: float(t.to(torch.bfloat16).double().sum()) for n, t in full_state(policy)}
-            publish(full_state(policy), version)  # returns once the engine has acked every bucket
-            try:
-                got, sums = results.get(timeout=300)
-            except queue.Empty:
-                raise AssertionError(f"the engine did not report version {version}") from None
+            publish(full_state(policy), version)  # returns once the engine has acked every bucket (or died)
+            got, sums = _next_report(results, child, version)
             assert got == version
             assert set(sums) <= set(expected) and len(sums) > 4
             for name, total in sums.items():
@@ -111,4 +109,17 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
             child.kill()
         weights.channel.close()
         dist.destroy_process_group()
+        torch.cuda.ipc_collect()  # the sender's /dev/shm/torch_<pid>_* ref-counter file goes only with this
     assert child.exitcode == 0
+
+
+def _next_report(results, child, version: int, timeout_s: float = 300.0):
+    """The engine's report of `version`, unless it died first (then at once, with its exit code)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():
+                raise AssertionError(f"the engine process exited (code {child.exitcode}) before version {version}")
+    raise AssertionError(f"the engine did not report version {version} within {timeout_s:.0f} s")

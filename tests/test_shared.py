@@ -79,3 +79,27 @@ def test_the_finish_lock_orders_a_restart_against_the_last_row():
     assert marked.wait(10) and finish.is_set()
     with finish.unless_set() as finished:
         assert finished
+
+
+def _exit_soon():
+    import time
+
+    time.sleep(0.2)
+
+
+def test_a_stop_flag_can_trip_when_a_process_ends():
+    """For publishers whose engine runs in an unsupervised child (GPU tests, benchmarks): its death ends the
+    wait for acks at once."""
+    import multiprocessing as mp
+    import time
+
+    from buffer.shared import stop_when_dead
+
+    child = mp.get_context("spawn").Process(target=_exit_soon)
+    child.start()
+    stop = stop_when_dead(child)
+    child.join(60)
+    deadline = time.monotonic() + 10
+    while not stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stop.is_set() and child.exitcode == 0

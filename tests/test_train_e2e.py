@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, TINY, alive, comm, descendants, run_train, shm_files, train_cmd
+from tests.helpers import ROOT, TINY, alive, comm, descendants, die_with_parent, run_train, shm_files, train_cmd
 
 KEYS = ("step", "time_s", "reward_mean", "loss", "staleness_mean", "staleness_max", "gen_tokens_per_s",
         "train_tokens_per_s")
@@ -30,6 +30,7 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert "eval_pass@1" in rows[-1] and 0 <= rows[-1]["eval_pass@1"] <= 1  # evaluated at the end
     assert all(1 <= r["perf/train_threads"] <= len(os.sched_getaffinity(0)) for r in rows)  # buffer/cores.py
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
+    assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]  # no GPU
     assert (tmp_path / "config.yaml").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
@@ -78,7 +79,8 @@ def test_two_trainer_ranks(tiny_model_dir, tmp_path):
 def _started_run(run_dir, model_dir, *overrides, steps=1000):
     """A run in the background, returned once it has logged its first step."""
     proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *overrides),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     deadline = time.time() + 120
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
         if proc.poll() is not None or time.time() > deadline:

@@ -129,7 +129,9 @@ class _Loop:
             metrics = self.learner.step(batch, step)
             train_time = time.time() - t0
             self.heart.beat("publish")
+            t0 = time.time()
             self.learner.publish(self.publish, step)
+            publish_time = time.time() - t0
             if shared.cores is not None:
                 self.threads.set(shared.cores.trainer_after_step())
             if self.lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
@@ -152,6 +154,7 @@ class _Loop:
                     "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
                     "reward/batch_mean": batch.rewards.mean().item(),
                     "perf/train_step_s": train_time, "perf/wait_s": wait_time, "perf/train_threads": threads,
+                    "perf/publish_s": publish_time, **_peak_memory(self.learner.device),
                     "perf/completion_len": batch.mask.sum(1).mean().item(),
                     **counts, **info, **metrics, **results,
                 })
@@ -240,6 +243,16 @@ def _counts(shared: Shared) -> dict:
     return {"tokens": total("tokens"), "reward/timeouts": total("reward_timeouts"),
             "reward/errors": total("reward_errors"), **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
             **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS}}
+
+
+def _peak_memory(device: torch.device) -> dict:
+    """On a GPU: the most memory this rank's tensors have held so far, and what its allocator has reserved, in
+    GB (`torch.cuda.max_memory_*`: what an out-of-memory error is measured against). Nothing on the CPU, where
+    summary.json has the whole run's peak."""
+    if device.type != "cuda":
+        return {}
+    return {"perf/peak_gpu_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "perf/peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def _sampler(choice: str, algo: str) -> str:

@@ -24,6 +24,11 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.lm = lm
 
+    def published_shapes(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, meta tensor) of every weight the trainer publishes, in the order it streams them (full_state):
+        a LoRA model's merged weights differ in names and order from its state dict."""
+        return list(full_state(self, meta=True))
+
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
@@ -145,13 +150,16 @@ def shard(policy: TokenLogprobs) -> TokenLogprobs:
     return policy
 
 
-def full_state(policy: nn.Module):
+def full_state(policy: nn.Module, meta: bool = False):
     """Yield (Hugging Face name, full tensor) for every weight; a collective under FSDP2 (all ranks call it).
     Wrapper segments in the names (activation checkpointing on the GPU plan) are dropped; a LoRA model's
-    weights come merged (trainer/lora.py)."""
+    weights come merged (trainer/lora.py). meta=True: the same names in the same order, as meta tensors of the
+    full shapes, gathering nothing: what a weight path plans its buckets from."""
     def full():
         for name, value in policy.state_dict().items():
-            if hasattr(value, "full_tensor"):
+            if meta:
+                value = torch.empty(value.shape, dtype=value.dtype, device="meta")  # a DTensor's shape is global
+            elif hasattr(value, "full_tensor"):
                 value = value.full_tensor()
             yield engine_name(name), value
 
