@@ -211,15 +211,17 @@ class Supervisor:
         """Ask politely, then terminate, then kill: no process survives this call. Returns one line naming those
         that had not stopped within `grace` seconds of being asked, if any."""
         self.stop.set()
-        for proc in self.procs.values():
-            if proc.exitcode is None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            alive = [p for p in self.procs.values() if p.exitcode is None]
+            if not alive:
+                break
+            for proc in alive:  # a stopped process cannot see the stop flag (again each round: it may stop late)
                 try:
-                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot see the stop flag
+                    os.kill(proc.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + grace
-        for proc in self.procs.values():
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            wait([p.sentinel for p in alive], timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         late = [name for name, proc in self.procs.items() if proc.is_alive()]
         for sig_method in ("terminate", "kill"):
             alive = [p for p in self.procs.values() if p.is_alive()]

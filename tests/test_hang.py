@@ -1,4 +1,4 @@
-"""No silent hang: heartbeats (buffer/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
+"""No silent hang: heartbeats (launch/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
 what a run does with a stuck process; a full disk at a checkpoint and the out-of-memory killer's kill."""
 import errno
 import json
@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from buffer.heartbeat import PHASES, Allowance, Heartbeats
 from launch.supervisor import Supervisor
@@ -91,21 +92,31 @@ def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
         sup.shutdown()
 
 
-def _trainer_that_finishes_then_lingers(hearts, finished, hang_s):
-    """Marks the last step taken, then checkpoints (a slow phase) until rollout-0 has gone without a beat for
-    three times its allowance: long enough for a watch that still checked it to have killed it."""
+def _trainer_that_finishes_then_lingers(hearts, finished, hang_s, worker_pid):
+    """Marks the last step taken, then checkpoints (a slow phase) until rollout-0 is stopped and has gone without
+    a beat for three times its allowance: long enough for a watch that still checked it to have killed it."""
     heart = hearts.of("trainer-0")
     heart.beat("train_step")
     finished.set()
     while True:
         heart.beat("checkpoint")
         ages = {name: age for name, _, age in hearts.stuck(Allowance(hang_s, hang_s, hang_s))}
-        if ages.get("rollout-0", 0) > 3 * hang_s:
+        pid = int(worker_pid[0])
+        if pid and _state(pid) == "T" and ages.get("rollout-0", 0) > 3 * hang_s:
             return
         time.sleep(0.05)
 
 
-def _worker_that_stops_after_the_last_step(hearts, finished, stop):
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _worker_that_stops_after_the_last_step(hearts, finished, stop, worker_pid):
+    worker_pid[0] = os.getpid()
     heart = hearts.of("rollout-0")
     while not finished.is_set():
         heart.beat("generate")
@@ -119,11 +130,12 @@ def test_after_the_last_step_a_stopped_worker_is_neither_dumped_nor_killed_nor_r
     hearts = Heartbeats(["rollout-0", "trainer-0"])
     sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=1.0, slow_s=60.0, start_s=60.0))
     failures = []
+    worker_pid = torch.zeros(1, dtype=torch.long).share_memory_()
     try:
         sup.start("rollout-0", _worker_that_stops_after_the_last_step,
-                  dict(hearts=hearts, finished=sup.finished, stop=sup.stop), 1)
+                  dict(hearts=hearts, finished=sup.finished, stop=sup.stop, worker_pid=worker_pid), 1)
         sup.start("trainer-0", _trainer_that_finishes_then_lingers,
-                  dict(hearts=hearts, finished=sup.finished, hang_s=1.0), 1, essential=True)
+                  dict(hearts=hearts, finished=sup.finished, hang_s=1.0, worker_pid=worker_pid), 1, essential=True)
         outcome = sup.watch(on_failure=lambda name, message: failures.append(message))
     finally:
         late = sup.shutdown(grace=20)
