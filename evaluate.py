@@ -18,7 +18,7 @@ from rewards.pool import RewardPool
 
 if TYPE_CHECKING:
     from engines.base import EngineSpec
-    from launch.config import EvalConfig, RewardConfig
+    from launch.schema import EvalConfig, RewardConfig
 
 
 @dataclass(frozen=True)

@@ -16,36 +16,43 @@ from typing import TYPE_CHECKING
 import torch
 
 import tasks
-from buffer.cores import Threads
 from buffer.ring import Group
-from buffer.shared import SANDBOX_KILLS, Shared
 from engines.base import Completion, Request, SamplingParams
+from launch.cores import Threads
+from launch.shared import SANDBOX_KILLS, Shared
 from rewards.pool import RewardPool, ScoreHandle
 
 if TYPE_CHECKING:
     from engines.base import EngineSpec
-    from evaluate import EvalSpec, Evaluator
-    from launch.config import RewardConfig, RolloutConfig
+    from evaluate import Evaluator
+    from launch.schema import Config
+    from launch.setup import RunSetup
 
 
-def run(*, worker: int, workers: int, seed: int, model_path: str, rollout: "RolloutConfig", reward: "RewardConfig",
-        task, engine: "EngineSpec", stop_ids: tuple, max_prompt_len: int, evaluator: "Evaluator",
-        eval_spec: "EvalSpec", shared: Shared, init_path: str = "", start_version: int = 0,
-        first_group: int = 0) -> None:
-    """One rollout worker process. `task` is the task's Config; init_path, start_version and first_group say
-    where a resumed or restarted worker starts (its weights, their version, the groups already delivered)."""
-    tokenizer = tasks.load_tokenizer(model_path, dict(eval_spec.chat_template))
-    data = tasks.get(task.name).build(task, seed)
-    with (RewardPool(data.reward, reward.workers, reward.timeout_s, data.reward_options) as pool,
-          engine.open(init_path or model_path, seed * 1000 + worker) as generator):
-        generator.set_version(start_version)
-        RolloutWorker(
-            worker=worker, workers=workers, seed=seed, group_size=rollout.group_size,
-            sampling=SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens, stop_ids),
-            max_prompt_len=max_prompt_len, long_prompts=rollout.long_prompts, first_group=first_group,
-            engine=generator, sync=shared.weights.follower(generator, worker), tokenizer=tokenizer, task=data,
-            pool=pool, shared=shared, evaluation=evaluator.worker_part(worker, data, tokenizer, eval_spec, pool),
-        ).run()
+@dataclass(frozen=True)
+class RolloutArgs:
+    """One rollout worker process's arguments: built by the launcher (train.py), picklable, passed whole."""
+    worker: int  # this worker's index: group ids interleave the workers
+    workers: int  # the plan's rollout workers
+    cfg: "Config"  # the run's typed config (launch/schema.py)
+    setup: "RunSetup"  # what the launcher settled: the model's folder, its stop tokens, the prompt width, ...
+    engine: "EngineSpec"  # how this worker builds its engine (the plan's)
+    evaluator: "Evaluator"  # how the plan evaluates: this worker's part of it, if any
+    shared: Shared
+    first_group: int = 0  # a resumed or restarted worker starts past the groups delivered before
+
+
+def run(args: RolloutArgs) -> None:
+    """One rollout worker process. A resumed run's worker starts from the checkpoint's weights and version."""
+    cfg, setup = args.cfg, args.setup
+    tokenizer = tasks.load_tokenizer(setup.model_path, cfg.model.chat_template)
+    data = tasks.get(cfg.task.name).build(cfg.task, cfg.seed)
+    with (RewardPool(data.reward, cfg.reward.workers, cfg.reward.timeout_s, data.reward_options) as pool,
+          args.engine.open(setup.resume_path or setup.model_path, cfg.seed * 1000 + args.worker) as engine):
+        engine.set_version(setup.resume_step)
+        evaluation = args.evaluator.worker_part(args.worker, data, tokenizer, setup.eval_spec, pool)
+        RolloutWorker(args, engine, args.shared.weights.follower(engine, args.worker), tokenizer, data, pool,
+                      evaluation).run()
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -70,19 +77,21 @@ class RolloutWorker:
     """One worker's loop and its state. Group ids interleave the workers (group index * workers + worker), and a
     group's K requests are numbered group id * K + sample, so a finished completion names its group."""
 
-    def __init__(self, *, worker: int, workers: int, seed: int, group_size: int, sampling: SamplingParams,
-                 max_prompt_len: int, long_prompts: str, first_group: int, engine, sync, tokenizer, task, pool,
-                 shared: Shared, evaluation=None):
-        self.worker, self.workers, self.k, self.sampling = worker, workers, group_size, sampling
-        self.max_prompt_len, self.long_prompts = max_prompt_len, long_prompts
+    def __init__(self, args: RolloutArgs, engine, sync, tokenizer, task, pool, evaluation=None):
+        """`engine` is open; `sync` its weight path's follower; `task` the task's data; `pool` its reward pool;
+        `evaluation` this worker's part of the evaluation (GPU plan), or None."""
+        rollout = args.cfg.rollout
+        self.worker, self.workers, self.k = args.worker, args.workers, rollout.group_size
+        self.sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens, args.setup.stop_ids)
+        self.max_prompt_len, self.long_prompts = args.setup.max_prompt_len, rollout.long_prompts
         self.engine, self.sync, self.tokenizer, self.task, self.pool = engine, sync, tokenizer, task, pool
-        self.shared, self.counters, self.evaluation = shared, shared.counters, evaluation
+        self.shared, self.counters, self.evaluation = args.shared, args.shared.counters, evaluation
         self.threads = Threads()
-        self.heart = shared.heart(f"rollout-{worker}")
-        self.stream = prompt_stream(len(task.train), worker, workers, seed)
-        for _ in range(first_group):  # a resumed or restarted worker skips the prompts of groups delivered before
+        self.heart = args.shared.heart(f"rollout-{self.worker}")
+        self.stream = prompt_stream(len(task.train), self.worker, self.workers, args.cfg.seed)
+        for _ in range(args.first_group):  # a resumed or restarted worker skips the prompts of groups delivered
             next(self.stream)
-        self.next_group = first_group  # this worker's index of the next group it starts
+        self.next_group = args.first_group  # this worker's index of the next group it starts
         self.open: dict[int, tuple[int, dict[int, Completion]]] = {}  # group id -> (prompt index, {sample: completion})
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
@@ -107,7 +116,7 @@ class RolloutWorker:
                     if self.shared.gate.wait_start(timeout=0.2):
                         self.start_group()
                 continue
-            if self.shared.cores is not None:  # the cores go where the work is (buffer/cores.py)
+            if self.shared.cores is not None:  # the cores go where the work is (launch/cores.py)
                 self.threads.set(self.shared.cores.worker_threads())
             heart.beat("generate")
             self.collect(self.engine.step())

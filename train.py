@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from launch.config import check_overrides, parse, register
+from models import facts
 
 # One-line notices of choices made for this machine (auto precision, auto engine), printed once set-up has
 # passed: a set-up error stays the only line on stderr.
@@ -64,7 +65,7 @@ def main(raw) -> None:
 
     task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)  # a missing file or sandbox: before the model
     model_path = _or_exit(resolve, cfg.model.path)
-    model_config = _or_exit(_model_config, model_path)
+    model_config = _or_exit(facts.checked_config, model_path)
     plan = _or_exit(_plan, plan_name, cfg, model_path, model_config)
     if cfg.eval.only:
         return _evaluate_only(cfg, plan, model_path, run_dir, task)
@@ -80,24 +81,27 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     `task`: the task's data, as built from cfg.task (built here when not given)."""
 
     import tasks
-    from buffer.heartbeat import Allowance, Heartbeats
     from buffer.ring import TrajectoryRing
-    from buffer.shared import Shared, WorkerCounters
     from buffer.staleness import StalenessGate, lane_slots
     from engines.arch import engine_path
     from evaluate import longest_request
+    from launch.heartbeat import Allowance, Heartbeats
     from launch.plan import cores_for, free_port, pin_threads
+    from launch.setup import RunSetup
+    from launch.shared import Shared, WorkerCounters
     from launch.summary import draw_curves, write_summary
     from launch.supervisor import Supervisor
+    from rollout import RolloutArgs
     from rollout import run as run_worker
     from trainer.learner import Rank
+    from trainer.loop import TrainerArgs
     from trainer.loop import run as run_learner
 
     task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
-    _or_exit(engine_path, _model_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
-    stop_ids = _stop_ids(model_path)
+    _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
+    stop_ids = facts.stop_ids(model_path)
     eval_spec = _eval_spec(cfg, stop_ids)
     rollout, workers = cfg.rollout, plan.rollout_workers
     cores = cores_for(cfg.cluster, plan, cfg.max_staleness)
@@ -113,24 +117,18 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         ring=TrajectoryRing(workers * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
                             max_prompt_len, rollout.max_new_tokens, num_producers=workers),
         gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0),
-        weights=plan.weights(_meta_model(model_path)),
+        weights=plan.weights(facts.meta_model(model_path)),
         counters=WorkerCounters(workers),
         stop=sup.stop,
         finish=sup.finished,
         cores=cores,
         hearts=hearts)
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
-    worker = dict(workers=workers, seed=cfg.seed, model_path=model_path, rollout=rollout, reward=cfg.reward,
-                  task=cfg.task, stop_ids=stop_ids, max_prompt_len=max_prompt_len, evaluator=evaluator,
-                  eval_spec=eval_spec, shared=shared, init_path=resume["path"] if resume else "",
-                  start_version=resume["step"] if resume else 0)
+    # What every process gets: the typed config whole, what was settled here, and its own few values.
+    setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
+                     resume_path=resume["path"] if resume else "", resume_step=resume["step"] if resume else 0)
     engines = [plan.engine(w, rollout.max_batch, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
                for w in range(workers)]
-    learner = dict(shared=shared, model_path=model_path, run_dir=run_dir, seed=cfg.seed, steps=cfg.steps,
-                   max_staleness=cfg.max_staleness, workers=workers, train=cfg.train, rollout=rollout,
-                   buffer=cfg.buffer, algo=cfg.algo, task=cfg.task, eval=cfg.eval, eval_spec=eval_spec,
-                   evaluator=evaluator, checkpoint=cfg.checkpoint, logger=cfg.logger, config=config,
-                   init_path=resume["path"] if resume else "", start_step=resume["step"] if resume else 0)
     port = free_port()
     start = time.time()
     error = None
@@ -140,8 +138,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
     def start_worker(w: int, first_group: int) -> None:
         delivered_at_start[w] = shared.counters.get(w, "groups")
-        sup.start(f"rollout-{w}", run_worker, dict(worker, worker=w, engine=engines[w], first_group=first_group),
-                  cores.worker_threads())
+        args = RolloutArgs(w, workers, cfg, setup, engines[w], evaluator, shared, first_group)
+        sup.start(f"rollout-{w}", run_worker, dict(args=args), cores.worker_threads())
 
     def restart_worker(name: str, message: str) -> bool:
         """A rollout worker died or was stuck: free what it held and start a new one where it stopped, up to
@@ -166,9 +164,9 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
             start_worker(w, resume["next_group"].get(w, 0) if resume else 0)
         plan.wait_for_engines(shared.weights, sup)
         for r in range(plan.trainer_ranks):
-            rank = Rank(r, plan.trainer_ranks, port, plan.placement(r))
-            sup.start(f"trainer-{r}", run_learner, dict(learner, rank=rank, progress=cfg.progress and r == 0),
-                      cores.trainer_threads(alone=False), essential=True)
+            args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), workers, cfg, setup, evaluator,
+                               shared, progress=cfg.progress and r == 0)
+            sup.start(f"trainer-{r}", run_learner, dict(args=args), cores.trainer_threads(alone=False), essential=True)
         error = sup.watch(on_failure=restart_worker)
     except KeyboardInterrupt:
         error = "interrupted"
@@ -183,7 +181,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
 def _launcher_counts(counters) -> dict:
     """What the launcher counted (worker restarts, groups lost with a dead worker), read once every process has
-    stopped: summary.json's, equal to the last metrics row's by construction (buffer.shared.Finish)."""
+    stopped: summary.json's, equal to the last metrics row's by construction (launch.shared.Finish)."""
     return {f"rollout/{name}": counters.total(name) for name in ("restarts", "lost_groups")}
 
 
@@ -211,17 +209,6 @@ def _precision(cfg, plan: str):
                                train=dataclasses.replace(cfg.train, autocast=autocast))
 
 
-def _model_config(model_path: str):
-    """The model's config, checked: a causal LM that ringrl's engine and trainer run (engines/arch.py)."""
-    from transformers import AutoConfig
-
-    from engines.arch import engine_path
-
-    config = AutoConfig.from_pretrained(model_path)
-    engine_path(config)
-    return config
-
-
 def _plan(name: str, cfg, model_path: str, model_config):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
     from engines.arch import engine_path
@@ -234,7 +221,7 @@ def _plan(name: str, cfg, model_path: str, model_config):
         path, architecture = engine_path(model_config)
         NOTICES.append(f"engine: {'fast path' if path == 'fast' else 'fallback'} ({architecture})")
     if name == "cpu":
-        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts)
+        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts, engine)
     import torch
 
     from launch.gpu import gpu_plan
@@ -244,7 +231,7 @@ def _plan(name: str, cfg, model_path: str, model_config):
     else:
         gpus, gpu_bytes = torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
     plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups // cfg.train.minibatches,
-                    _meta_model(model_path), gpus, gpu_bytes, engine=engine)
+                    facts.meta_model(model_path), gpus, gpu_bytes, engine=engine)
     print(f"gpu plan{' on the cpu' if cfg.cluster.device == 'cpu' else ''}: {plan.layout.describe()}; "
           f"engine: {engine}")
     return plan
@@ -266,7 +253,7 @@ def _evaluate_only(cfg, plan, model_path, run_dir, task) -> None:
     from evaluate import evaluate, longest_request
 
     tokenizer = tasks.load_tokenizer(model_path, cfg.model.chat_template)
-    spec = _eval_spec(cfg, _stop_ids(model_path))
+    spec = _eval_spec(cfg, facts.stop_ids(model_path))
     torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))  # alone: every core
     _print_notices()
     start = time.time()
@@ -301,29 +288,6 @@ def _max_prompt_len(tokenizer, task, budget: int, long_prompts: str) -> int:
               f"{min(lengths)} tokens); raise it or set rollout.long_prompts=truncate", file=sys.stderr)
         sys.exit(2)
     return budget
-
-
-def _stop_ids(model_path) -> tuple:
-    """Every end-of-sequence token the model may emit: its config's, its generation_config.json's (Qwen3 ends a
-    turn with <|im_end|> there) and its tokenizer's."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    eos = [AutoConfig.from_pretrained(model_path).eos_token_id, AutoTokenizer.from_pretrained(model_path).eos_token_id]
-    try:
-        eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except OSError:  # no generation_config.json
-        pass
-    ids = [i for e in eos for i in (e if isinstance(e, list) else [e])]
-    return tuple(sorted({i for i in ids if i is not None}))
-
-
-def _meta_model(model_path):
-    """The model's parameter names and shapes without loading its weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
 
 
 if __name__ == "__main__":

@@ -5,14 +5,16 @@ is this micro-batch's share of the whole batch's loss (the trainer sums the shar
 Class attributes tell the trainer what to provide: `needs_reference`, `needs_proximal`; optionally
 `sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks) and `summed_metrics` (metric
 keys that are counts, summed over micro-batches and ranks instead of averaged).
-Adding a rule: copy algos/grpo.py to algos/<name>.py, change the maths, add conf/algo/<name>.yaml.
+Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths (`algo=<name>` finds it by its file;
+conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml sets train.lr).
 """
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from registry import Registry, require
 
 
 @dataclass
@@ -54,15 +56,11 @@ class PGConfig:
     mis_high: float = 2.0  # mis_*: ... and above this
 
     def check_correction(self):
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"config key 'algo.correction' must be one of {', '.join(CORRECTIONS)} "
-                             f"(got {self.correction!r})")
-        if not self.tis_cap > 0:
-            raise ValueError(f"config key 'algo.tis_cap' must be > 0 (got {self.tis_cap})")
-        if not 0 <= self.mis_low < 1:
-            raise ValueError(f"config key 'algo.mis_low' must be in [0, 1) (got {self.mis_low})")
-        if not self.mis_high > 1:
-            raise ValueError(f"config key 'algo.mis_high' must be > 1 (got {self.mis_high})")
+        require(self.correction in CORRECTIONS, "algo.correction", f"must be one of {', '.join(CORRECTIONS)}",
+                self.correction)
+        require(self.tis_cap > 0, "algo.tis_cap", "must be > 0", self.tis_cap)
+        require(0 <= self.mis_low < 1, "algo.mis_low", "must be in [0, 1)", self.mis_low)
+        require(self.mis_high > 1, "algo.mis_high", "must be > 1", self.mis_high)
 
 
 def correction_weights(cfg: PGConfig, prox: torch.Tensor, behav: torch.Tensor,
@@ -91,16 +89,16 @@ def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Ten
     return {"clip_frac_low": below.sum().item() / tokens, "clip_frac_high": above.sum().item() / tokens}
 
 
+LOSSES = Registry("algo", __name__, os.path.dirname(__file__))  # algos/<name>.py: Config and Loss
+
+
 def names() -> list[str]:
-    here = os.path.dirname(__file__)
-    return sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_"))
+    return LOSSES.names()
 
 
 def get(name: str):
     """The module of rule `name` (it has `Config` and `Loss`)."""
-    if name not in names():
-        raise ValueError(f"unknown algo '{name}' (choose one of: {', '.join(names())})")
-    return importlib.import_module(f"algos.{name}")
+    return LOSSES.get(name)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from algos import MicroBatch, PGConfig, clip_fractions, correction_weights, group_advantages
+from registry import require
 
 
 @dataclass
@@ -23,10 +24,8 @@ class Config(PGConfig):
     dr_grpo: bool = False  # Dr. GRPO: no std scaling, constant length normaliser
 
     def check(self):
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"config key 'algo.clip_eps' must be in (0, 1) (got {self.clip_eps})")
-        if not self.clip_eps_high > 0:
-            raise ValueError(f"config key 'algo.clip_eps_high' must be > 0 (got {self.clip_eps_high})")
+        require(0 < self.clip_eps < 1, "algo.clip_eps", "must be in (0, 1)", self.clip_eps)
+        require(self.clip_eps_high > 0, "algo.clip_eps_high", "must be > 0", self.clip_eps_high)
         self.check_correction()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from algos import MicroBatch, sequence_logprobs
+from registry import require
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -25,11 +26,9 @@ class Config:
     loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
 
     def check(self):
-        if not self.beta > 0:
-            raise ValueError(f"config key 'algo.beta' must be > 0 (got {self.beta})")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"config key 'algo.loss_type' must be one of {', '.join(LOSS_TYPES)} "
-                             f"(got {self.loss_type!r})")
+        require(self.beta > 0, "algo.beta", "must be > 0", self.beta)
+        require(self.loss_type in LOSS_TYPES, "algo.loss_type", f"must be one of {', '.join(LOSS_TYPES)}",
+                self.loss_type)
 
 
 class Loss:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from algos import MicroBatch, PGConfig, clip_fractions, correction_weights, group_advantages
+from registry import require
 
 
 @dataclass
@@ -28,16 +29,12 @@ class Config(PGConfig):
     scale_std: bool = True  # divide group-centred rewards by the group's std
 
     def check(self):
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"config key 'algo.clip_eps' must be in (0, 1) (got {self.clip_eps})")
-        if not self.clip_eps_high > 0:
-            raise ValueError(f"config key 'algo.clip_eps_high' must be > 0 (got {self.clip_eps_high})")
-        if not self.behav_weight_cap > 1:
-            raise ValueError(f"config key 'algo.behav_weight_cap' must be > 1 (got {self.behav_weight_cap})")
+        require(0 < self.clip_eps < 1, "algo.clip_eps", "must be in (0, 1)", self.clip_eps)
+        require(self.clip_eps_high > 0, "algo.clip_eps_high", "must be > 0", self.clip_eps_high)
+        require(self.behav_weight_cap > 1, "algo.behav_weight_cap", "must be > 1", self.behav_weight_cap)
         self.check_correction()
-        if self.correction != "none" and not self.decoupled:
-            raise ValueError(f"config key 'algo.correction={self.correction}' weights pi_prox / pi_behav, which "
-                             "standard PPO does not have: set algo.decoupled=true")
+        require(self.correction == "none" or self.decoupled, "algo.correction", "must be none for standard PPO (it "
+                "weights pi_prox / pi_behav, which only decoupled PPO has): set algo.decoupled=true", self.correction)
 
 
 class Loss:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from algos import MicroBatch, PGConfig, correction_weights, sequence_logprobs
+from registry import require
 
 
 @dataclass
@@ -20,8 +21,7 @@ class Config(PGConfig):
     kl_coef: float = 0.0  # KL penalty folded into the reward (> 0 needs a reference forward)
 
     def check(self):
-        if not self.kl_coef >= 0:
-            raise ValueError(f"config key 'algo.kl_coef' must be >= 0 (got {self.kl_coef})")
+        require(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0", self.kl_coef)
         self.check_correction()
 
 

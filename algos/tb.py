@@ -16,13 +16,14 @@ it is about 300 in norm on the default task, against 3-9 for grpo, and `train.gr
 step. `normalize` multiplies L by beta^2 / 2, which turns the gradient into beta * (reward deviation -
 beta * (log-ratio deviation)) * grad log pi: a REINFORCE step's size, clipped only when it is one. TBA's own
 code (bbartoldson/TBA, src/tba_trainer_gsm8k.py) clips nothing. Under AdamW a constant factor cancels, so this
-changes only which steps the clip shortens; see the README's time-to-reward section for what it measured.
+changes only which steps the clip shortens; see docs/benchmarks.md, "Time to reward", for what it measured.
 """
 from dataclasses import dataclass
 
 import torch
 
 from algos import MicroBatch, sequence_logprobs
+from registry import require
 
 
 @dataclass
@@ -37,12 +38,9 @@ class Config:
     normalize: bool = True  # scale the loss by beta^2 / 2: a REINFORCE-sized gradient that grad_clip leaves alone
 
     def check(self):
-        if not self.beta_start > 0:
-            raise ValueError(f"config key 'algo.beta_start' must be > 0 (got {self.beta_start})")
-        if not self.beta_end > 0:
-            raise ValueError(f"config key 'algo.beta_end' must be > 0 (got {self.beta_end})")
-        if not self.beta_steps >= 0:
-            raise ValueError(f"config key 'algo.beta_steps' must be >= 0 (got {self.beta_steps})")
+        require(self.beta_start > 0, "algo.beta_start", "must be > 0", self.beta_start)
+        require(self.beta_end > 0, "algo.beta_end", "must be > 0", self.beta_end)
+        require(self.beta_steps >= 0, "algo.beta_steps", "must be >= 0", self.beta_steps)
 
 
 def beta_at(cfg: Config, step: int) -> float:

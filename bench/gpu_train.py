@@ -14,10 +14,10 @@ Two figures, both against the peak of a bf16 matmul measured in the same run on 
 - MFU, the useful work: 6 x parameters x trained tokens (each prompt once per group, plus every completion
   token), plus the causal attention of each prompt + completion sequence (6 x s^2 x hidden x layers: forward
   and backward, half the square).
-- HFU, what the chosen implementation computes: the varlen layout runs each prompt K times (one sequence per
-  completion, the price of flash-attn's kernel); activation checkpointing runs every forward twice; and
-  attention is flash-attn's causal blocks per sequence, or, under sdpa (no flash-attn installed), the dense
-  square of each pass's whole packed row under a block mask.
+- HFU, what the chosen implementation computes: under flash-attn each prompt K times (one sequence per
+  completion, the price of its kernel) and causal blocks per sequence; under sdpa (no flash-attn installed)
+  each prompt once and the dense square of each group's row (prompt + K completions) under the shared-prompt
+  mask; activation checkpointing runs every forward twice.
 The attention implementation is named in the output. Ends with `mfu=<fraction>`.
 """
 import argparse
@@ -31,8 +31,8 @@ import algos
 from bench.common import matmul_peak_flops
 from bench.shapes import add_model_arguments, random_model
 from buffer.ring import Group
-from launch.config import RolloutConfig, TrainConfig
 from launch.plan import free_port
+from launch.schema import RolloutConfig, TrainConfig
 from trainer.batch import pack
 from trainer.gpu_policy import GPUPlacement, attn_implementation
 from trainer.learner import Learner, Rank
@@ -68,11 +68,12 @@ def flops(params: int, hidden: int, layers: int, groups: list[int], k: int, prom
     trained = n * (prompt_len + k * completion_len)
     useful = 6 * params * trained + 6 * hidden * layers * n * k * seq ** 2 / 2
     forwards = 4 if checkpointing else 3  # forward, backward (twice a forward), and the recomputed forward
-    dense = 2 * params * n * k * seq * forwards
-    if attention == "flash_attention_2":
+    if attention == "flash_attention_2":  # separate sequences: each prompt K times, causal blocks
+        dense = 2 * params * n * k * seq * forwards
         attn = forwards * 4 * hidden * layers * n * k * seq ** 2 / 2
-    else:  # sdpa with a block mask over each pass's row of g * k sequences: the whole square
-        attn = forwards * 4 * hidden * layers * sum((g * k * seq) ** 2 for g in groups)
+    else:  # the shared-prompt layout: each prompt once, the whole square of each group's row under the mask
+        dense = 2 * params * trained * forwards
+        attn = forwards * 4 * hidden * layers * n * (prompt_len + k * completion_len) ** 2
     return useful, dense + attn
 
 

@@ -4,7 +4,8 @@
         [--bucket-mb 512] [--out bench_out/models] [--json FILE]
 
 This process is trainer rank 0 (`GPUPlacement`: FSDP2 on one rank); a spawned child is a rollout worker with a
-built-in engine on the same device, loading each version through `GPUWeights(loader="builtin")`'s `sync()`.
+built-in engine on the same device, loading each version through `GPUWeights`' `sync()` (the engine contract's
+`load_bucket`).
 A version's time is `publish(full_state(policy), version)`: gather the full weights, cast them to the engine's
 dtype into buckets of `--bucket-mb`, hand each bucket over (CUDA IPC on cuda, shared memory on the CPU) and wait
 until the engine has copied it in and acked. Versions 1..`--reps`; the first is warm-up (IPC handles, allocator).
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from bench.shapes import add_model_arguments, random_model
-from buffer.shared import stop_when_dead
-from engines.builtin import BuiltinEngine
-from engines.weight_sync import GPUWeights, WeightChannel, weight_specs
+from engines.buckets import WeightChannel, weight_specs
+from engines.builtin import BuiltinEngine, BuiltinEngineSpec
+from engines.weight_sync import GPUWeights
 from launch.plan import free_port
+from launch.shared import stop_when_dead
 from trainer.gpu_policy import GPUPlacement
 from trainer.policy import full_state
 
@@ -111,8 +113,8 @@ def main():
     placement.init_process_group(0, 1, free_port())
     try:
         policy = placement.load(path, 1)
-        weights = GPUWeights(WeightChannel(1, ctx), [1], "ipc", args.bucket_mb << 20, None, None, loader="builtin",
-                             dtype=dtype)
+        weights = GPUWeights(WeightChannel(1, ctx), [1], BuiltinEngineSpec.bucket_payloads, "ipc",
+                             args.bucket_mb << 20, dtype)
         # What publish ships: every floating-point weight once (a tied lm_head is the embedding), in the engine dtype.
         specs = weight_specs(policy.state_dict().items(), policy.lm.config.tie_word_embeddings, dtype)
         nbytes = sum(shape.numel() * kind.itemsize for _, shape, kind in specs)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import algos
 from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts
 from buffer.ring import Group
-from launch.config import RolloutConfig, TrainConfig
+from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
 from trainer.batch import pack
 from trainer.learner import Learner

@@ -34,8 +34,7 @@ class Completion:
 
 
 class ReplayBuffer:
-    def __init__(self, sampler: str = "fifo", recent_prob: float = 0.5, inv_temp: float = 1.0,
-                 per_prompt_capacity: int = 64, seed: int = 0):
+    def __init__(self, sampler: str, recent_prob: float, inv_temp: float, per_prompt_capacity: int, seed: int):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r} is unknown; use one of: {', '.join(SAMPLERS)}")
         if not 0.0 <= recent_prob <= 1.0:

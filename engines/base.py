@@ -6,7 +6,8 @@ so that the rollout worker, the evaluation and the launcher depend on this file 
 - `Engine`: the built-in engine (`engines/builtin.py`) and the SGLang adapter (`engines/sglang.py`).
 - `EngineSpec`: how a rollout process builds its engine (`BuiltinEngineSpec`, `SGLangSpec`).
 - `WeightPath`: the trainer's weights to the engines after every step (`engines/weights.py` `WeightStore` in
-  shared memory; `engines/weight_sync.py` `GPUWeights` over CUDA IPC or NCCL).
+  shared memory; `engines/weight_sync.py` `GPUWeights` in buckets over CUDA IPC or NCCL), through the engine's
+  weight receipt (`weight_tensors`, `begin_weights`, `load_bucket`, `adopt_weights`), never its name.
 
 `tests/test_contracts.py` runs every implementation through the same checks.
 """
@@ -79,6 +80,29 @@ class Engine(Protocol):
         """Sequences that could start decoding now."""
         ...
 
+    # The weight receipt: how a new version arrives, between two steps. A weight path (engines/weights.py,
+    # engines/weight_sync.py) calls begin_weights, then copies into weight_tensors() or hands over each bucket
+    # with load_bucket, then adopt_weights; it never asks which engine it feeds.
+
+    def weight_tensors(self) -> dict:
+        """The weights this process holds, by Hugging Face name, to copy into in place; {} for an engine whose
+        weights live elsewhere (SGLang's processes), which takes buckets only."""
+        ...
+
+    def begin_weights(self) -> list[Completion]:
+        """A new version starts to arrive: decode nothing until it is adopted. Returns requests that finished
+        meanwhile (an engine that interrupts its requests to load may finish some)."""
+        ...
+
+    def load_bucket(self, message) -> None:
+        """One bucket of the version (engines/buckets.py `BucketMessage`), its payloads in the form this engine
+        kind's spec asked for (`EngineSpec.bucket_payloads`)."""
+        ...
+
+    def adopt_weights(self, version: int) -> list[Completion]:
+        """The version is complete: tokens from now on record it. Returns requests that finished meanwhile."""
+        ...
+
 
 @runtime_checkable
 class EngineSpec(Protocol):
@@ -86,6 +110,11 @@ class EngineSpec(Protocol):
 
     def open(self, weights_path: str, seed: int) -> AbstractContextManager[Engine]:
         """The engine with these weights; closing the context frees it (and any process it started)."""
+        ...
+
+    def bucket_payloads(self, flat, slots: list, tp_size: int) -> list:
+        """How a weight bucket must travel to this kind of engine, one payload per TP rank (run by trainer rank 0,
+        as a static method: the GPU plan's weight path asks the spec, not the engine's name)."""
         ...
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engines.arch import forward_for
 from engines.base import Completion, Request, check_request
+from engines.buckets import unpack
 
 
 @dataclass
@@ -134,6 +135,29 @@ class BuiltinEngine:
     def set_version(self, version: int) -> None:
         self.version = version
 
+    # The weight receipt (engines/base.py): weights are copied in between two decode steps; sequences in flight
+    # keep their cache and continue under the new weights, nothing is interrupted.
+
+    def begin_weights(self) -> list[Completion]:
+        return []
+
+    def load_bucket(self, message) -> None:
+        """Copy one bucket (engines/buckets.py; its spec's `bucket_payloads`: the tensor, possibly on another
+        GPU) into the engine's weights, done before the ack lets rank 0 free it."""
+        flat, targets = message.payloads[0], self.weight_tensors()
+        with torch.no_grad():
+            for name, tensor in unpack(flat, message.slots):
+                if name not in targets:
+                    raise RuntimeError(f"weight {name!r} is not one of the engine's; the trainer and the engine "
+                                       "hold different architectures")
+                targets[name].copy_(tensor)
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+
+    def adopt_weights(self, version: int) -> list[Completion]:
+        self.version = version
+        return []
+
     def num_running(self) -> int:
         return len(self.running)
 
@@ -231,10 +255,29 @@ class BuiltinEngineSpec:
     """How a rollout process builds a built-in engine (engines/sglang.py's SGLangSpec builds the other kind)."""
     max_batch: int  # sequences decoded together (cache slots)
     max_len: int  # prompt + completion tokens of the longest sequence
-    dtype: str = "float32"  # the engine's weights: float32 | bfloat16
-    device: str = "cpu"  # cpu | cuda:N
+    dtype: str  # rollout.dtype, settled: the engine's weights, float32 | bfloat16
+    device: str  # cpu | cuda:N
     # A GPU shared with a trainer rank (the one-GPU layout): the most of it this process may take (0: no cap)
     memory_fraction: float = 0.0
+
+    @classmethod
+    def on_cpu(cls, max_batch: int, max_len: int, dtype: str) -> "BuiltinEngineSpec":
+        return cls(max_batch, max_len, dtype, "cpu")
+
+    @classmethod
+    def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "BuiltinEngineSpec":
+        """On the GPU plan (launch/gpu.py): on the worker's GPU, capped where it shares that GPU with a trainer rank."""
+        layout = plan.layout
+        share = layout.mem_fraction_static if layout.time_shared and plan.device_type == "cuda" else 0.0
+        return cls(max_batch, max_len, dtype, plan.engine_device(worker), memory_fraction=share)
+
+    @staticmethod
+    def bucket_payloads(flat: torch.Tensor, slots: list, tp_size: int) -> list[torch.Tensor]:
+        """How a weight bucket travels to a built-in engine: the tensor itself. The queue pickles a CUDA tensor as
+        a CUDA IPC handle (torch's reductions) and a CPU tensor as shared memory; its bytes are in place first."""
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        return [flat] * tp_size
 
     @contextmanager
     def open(self, weights_path: str, seed: int):
@@ -248,3 +291,6 @@ class BuiltinEngineSpec:
         # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
         yield BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
                             self.max_len, seed, getattr(torch, self.dtype), device)
+
+
+SPEC = BuiltinEngineSpec  # what engines.ENGINES.get("builtin") offers

@@ -3,7 +3,7 @@
     engine = SGLangEngine(model_path, tp_size=1, base_gpu_id=0, mem_fraction_static=0.85)
     engine.add(Request(0, prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=256)))
     finished = engine.step()               # Completions, as from any engines.base.Engine
-    engine.sync_weights(channel, index)    # between steps: load a new version if the trainer ships one
+    begin_weights(); load_bucket(m)...; adopt_weights(v)   # a new version, through engines/weight_sync.py
 
 A new weight version interrupts the requests in flight (AReaL): SGLang aborts them and returns what each
 generated so far; after the load each is resubmitted as prompt + tokens so far with the remaining budget, so
@@ -104,34 +104,33 @@ class SGLangEngine:
             done.update((c.request_id, c) for c in self.step())
         return [done[r.request_id] for r in requests]
 
-    def sync_weights(self, channel, engine_index: int, group_name: str = "ringrl-weights") -> list[Completion]:
-        """If the trainer started shipping a new version: interrupt, load every bucket, adopt the version.
+    # The weight receipt (engines/base.py): a new version interrupts the requests in flight.
 
-        Returns requests that completed during the interruption (hand them on like step()'s)."""
-        message = channel.receive(engine_index)
-        if message is None:
-            return []
-        # Pause (SGLang aborts every request in flight and refuses new ones until resume); the aborted
-        # requests return what they generated so far and wait, in order, for resubmission.
+    def begin_weights(self) -> list[Completion]:
+        """Pause: SGLang aborts every request in flight and refuses new ones until `adopt_weights`; the aborted
+        requests return what they generated so far and wait, in order, for resubmission. Returns the requests
+        that completed meanwhile (hand them on like step()'s)."""
         self.backend.pause()
         finished = self._collect(None) if self.running else []
         assert not self.running, "SGLang left requests running after an abort"
         self.backend.begin_update()
-        while True:
-            if message.payloads is not None:
-                self.backend.load_ipc(message.payloads, flush_cache=message.last)
-            else:
-                self.backend.load_nccl(message.slots, group_name, flush_cache=message.last)
-            channel.ack(engine_index, message.version, message.index)
-            if message.last:
-                break
-            message = channel.receive(engine_index, timeout=600.0)
-            if message is None:
-                raise RuntimeError("the trainer stopped sending a weight version half-way")
+        return finished
+
+    def load_bucket(self, message, group_name: str = "ringrl-weights") -> None:
+        """One bucket: CUDA IPC handles (this spec's `bucket_payloads`), or an NCCL broadcast from rank 0."""
+        if message.payloads is not None:
+            self.backend.load_ipc(message.payloads, flush_cache=message.last)
+        else:
+            self.backend.load_nccl(message.slots, group_name, flush_cache=message.last)
+
+    def adopt_weights(self, version: int) -> list[Completion]:
         self.backend.end_update()
         self.backend.resume()
-        self.version = message.version
-        return finished
+        self.version = version
+        return []
+
+    def weight_tensors(self) -> dict:
+        return {}  # the weights live in SGLang's own processes: they arrive in buckets only
 
     def join_weight_group(self, address: str, port: int, rank_offset: int, world_size: int,
                           group_name: str = "ringrl-weights") -> None:
@@ -172,9 +171,25 @@ class SGLangSpec:
     base_gpu_id: int  # the first of them; the rest follow (SGLang's gpu_id_step=1)
     mem_fraction_static: float  # SGLang's share of each of its GPUs: weights + KV cache
     max_batch: int  # requests in flight at once
-    dtype: str = "bfloat16"
+    dtype: str  # rollout.dtype, settled: the engine's weights
     # Builds the backend from SGLangBackend's arguments; None: SGLang itself. The CPU tests pass a fake.
     backend: Callable | None = None
+
+    @classmethod
+    def on_cpu(cls, max_batch: int, max_len: int, dtype: str):
+        raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin here")
+
+    @classmethod
+    def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "SGLangSpec":
+        """On the GPU plan (launch/gpu.py): the worker's block of tp_size GPUs and its static memory share."""
+        layout = plan.layout
+        return cls(layout.tp_size, layout.base_gpu_id(worker), layout.mem_fraction_static, max_batch, dtype,
+                   plan.engine_backend)
+
+    @staticmethod
+    def bucket_payloads(flat, slots: list, tp_size: int) -> list[bytes]:
+        """How a weight bucket travels to an SGLang engine: CUDA IPC handles, one payload per TP rank."""
+        return ipc_payloads(flat, slots, tp_size)
 
     @contextmanager
     def open(self, weights_path: str, seed: int):
@@ -219,31 +234,61 @@ class SGLangBackend:
     def begin_update(self) -> None:
         # sglang 0.5.21 refuses update_weights_from_tensor/_distributed outside begin/end_weight_update;
         # older versions have no sessions. Both answer (success, message): a refusal stops the worker with it.
-        from engines.weight_sync import check_sglang
-
         if hasattr(self.engine, "begin_weight_update"):
             check_sglang(self.engine.begin_weight_update(), "begin_weight_update")
 
     def end_update(self) -> None:
-        from engines.weight_sync import check_sglang
-
         if hasattr(self.engine, "end_weight_update"):
             check_sglang(self.engine.end_weight_update(), "end_weight_update")
 
     def load_ipc(self, payloads: list, flush_cache: bool) -> None:
-        from engines.weight_sync import load_ipc
-
-        load_ipc(self.engine, payloads, flush_cache)
+        """Load one IPC bucket (SGLang copies it into its own parameters before returning)."""
+        check_sglang(self.engine.update_weights_from_tensor(payloads, load_format="flattened_bucket",
+                                                            flush_cache=flush_cache))
 
     def join_nccl(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
-        from engines.weight_sync import nccl_engine_join
-
-        nccl_engine_join(self.engine, address, port, rank_offset, world_size, group_name)
+        """Join trainer rank 0's weight group (blocks until rank 0 joins it too)."""
+        check_sglang(self.engine.init_weights_update_group(address, port, rank_offset, world_size, group_name,
+                                                           backend="nccl"))
 
     def load_nccl(self, slots: list, group_name: str, flush_cache: bool) -> None:
-        from engines.weight_sync import load_nccl
-
-        load_nccl(self.engine, slots, group_name, flush_cache)
+        """Receive the bucket rank 0 broadcasts and load it."""
+        check_sglang(self.engine.update_weights_from_distributed(
+            [s.name for s in slots], [str(s.dtype).removeprefix("torch.") for s in slots],
+            [list(s.shape) for s in slots], group_name=group_name, flush_cache=flush_cache,
+            load_format="flattened_bucket"))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+
+SPEC = SGLangSpec  # what engines.ENGINES.get("sglang") offers
+
+def ipc_payloads(flat, slots: list, tp_size: int) -> list[bytes]:
+    """The bucket as CUDA IPC handles, one payload per TP rank (each rank deserializes its own copy, which
+    keeps torch's IPC reference counts right), in the format `update_weights_from_tensor` takes."""
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:  # sglang < 0.5
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # handles name the device by UUID, so CUDA_VISIBLE_DEVICES may differ
+    torch.cuda.current_stream(flat.device).synchronize()  # the bytes are in place before anyone maps them
+    metadata = [FlattenedTensorMetadata(s.name, s.shape, s.dtype, s.start, s.end, s.end - s.start) for s in slots]
+    return [MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
+            for _ in range(tp_size)]
+
+
+def check_sglang(result, call: str = "the weight update") -> None:
+    """SGLang's control calls answer (success, message) (some a dict or an object with those fields): a refusal
+    is an error that names the call and carries SGLang's message."""
+    if isinstance(result, dict):
+        result = (result.get("success", True), result.get("message", ""))
+    elif hasattr(result, "success"):
+        result = (result.success, getattr(result, "message", ""))
+    if isinstance(result, tuple) and result and not result[0]:
+        raise RuntimeError(f"SGLang refused {call}: {result[1] if len(result) > 1 else result}")

@@ -54,14 +54,19 @@ class WeightStore:
         return list(self._layout)
 
     def follower(self, engine, index: int) -> Callable[[], list]:
-        """A rollout worker's end: `sync()` between decode steps loads a newer version into `engine` (whose
-        sequences in flight continue); it returns the requests that finished meanwhile, none here."""
+        """A rollout worker's end: `sync()` between decode steps copies a newer version straight into `engine`'s
+        weights through the engine contract (`weight_tensors`, `begin_weights`, `adopt_weights`); it returns the
+        requests that finished meanwhile."""
         targets = engine.weight_tensors()
+        if not targets:
+            raise ValueError("the shared-memory weight store needs an engine that holds its weights in this "
+                             "process (the built-in engine); SGLang takes its weights in buckets (GPUWeights)")
 
         def sync() -> list:
-            if self.version > engine.version:
-                engine.set_version(self.read_into(targets))
-            return []
+            if self.version <= engine.version:
+                return []
+            finished = engine.begin_weights()
+            return finished + engine.adopt_weights(self.read_into(targets))
 
         return sync
 

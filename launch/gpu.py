@@ -51,14 +51,15 @@ SHARED_GPU_HEADROOM = 0.05
 
 @dataclass(frozen=True)
 class GPUPlan:
-    """One rollout worker per engine and one trainer rank per training GPU, as `layout` says."""
+    """One rollout worker per engine and one trainer rank per training GPU, as `layout` says. The values come from
+    the config (`gpu_plan`); the last three are the tests' hooks."""
     layout: Layout
-    weight_sync: str = "ipc"  # ipc | nccl
-    bucket_mb: int = 512  # weight-sync bucket on trainer rank 0's GPU
-    checkpointing: bool = False  # activation checkpointing in the trainer ranks
-    engine_kind: str = "sglang"  # sglang | builtin (engines/builtin.py on the engine's GPU)
-    engine_dtype: str = "bfloat16"  # the engines' weights, as the trainer ships them
-    device_type: str = "cuda"  # "cpu": trainer ranks on gloo and the CPU, how the CPU tests run this plan
+    weight_sync: str  # cluster.weight_sync: ipc | nccl
+    bucket_mb: int  # cluster.bucket_mb: the weight-sync bucket on trainer rank 0's GPU
+    checkpointing: bool  # cluster.activation_checkpointing, in the trainer ranks
+    engine_kind: str  # rollout.engine, settled: sglang | builtin (engines/builtin.py on the engine's GPU)
+    engine_dtype: str  # rollout.dtype, settled: the engines' weights, as the trainer ships them
+    device_type: str  # cluster.device: cuda, or cpu (trainer ranks on gloo, engines on the CPU)
     engine_backend: Callable | None = None  # builds each SGLang engine's backend (None: SGLang); the tests fake it
     serialize: Callable | None = None  # a weight bucket -> per-TP-rank payloads (None: the engine kind's own)
     # A new engine could not pick up a weight version half-shipped to the one it replaces: no restarts yet.
@@ -75,26 +76,24 @@ class GPUPlan:
     def weights(self, meta_model):
         import torch
 
-        from engines.weight_sync import GPUWeights, WeightChannel
+        from engines import ENGINES
+        from engines.buckets import WeightChannel
+        from engines.weight_sync import GPUWeights
 
         nccl = ("127.0.0.1", free_port()) if self.weight_sync == "nccl" else None
+        # Buckets travel as this plan's engines take them (the engine kind's spec says how), or as the tests' fake.
+        payloads = self.serialize or ENGINES.get(self.engine_kind).SPEC.bucket_payloads
         return GPUWeights(WeightChannel(self.layout.num_engines, mp.get_context("spawn")),
-                          [len(group) for group in self.layout.gen_groups], self.weight_sync, self.bucket_mb << 20,
-                          nccl, self.serialize, loader=self.engine_kind, dtype=getattr(torch, self.engine_dtype))
+                          [len(group) for group in self.layout.gen_groups], payloads, self.weight_sync,
+                          self.bucket_mb << 20, getattr(torch, self.engine_dtype), nccl)
 
     def engine_device(self, worker: int) -> str:
         return f"cuda:{self.layout.base_gpu_id(worker)}" if self.device_type == "cuda" else "cpu"
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
-        if self.engine_kind == "builtin":
-            from engines.builtin import BuiltinEngineSpec
+        from engines import ENGINES
 
-            share = self.layout.mem_fraction_static if self.layout.time_shared and self.device_type == "cuda" else 0.0
-            return BuiltinEngineSpec(max_batch, max_len, dtype, self.engine_device(worker), memory_fraction=share)
-        from engines.sglang import SGLangSpec
-
-        return SGLangSpec(self.layout.tp_size, self.layout.base_gpu_id(worker), self.layout.mem_fraction_static,
-                          max_batch, dtype, self.engine_backend)
+        return ENGINES.get(self.engine_kind).SPEC.on_gpu(self, worker, max_batch, max_len, dtype)
 
     def evaluator(self, max_len: int, dtype: str):
         """Evaluation on the engines: rank 0 asks each rollout worker for its shard of the test split."""

@@ -100,10 +100,12 @@ class Plan(Protocol):
 
 @dataclass(frozen=True)
 class CPUPlan:
-    """Built-in CPU engines, FSDP2 over gloo, weights through a shared-memory WeightStore."""
+    """CPU engines (the built-in one unless rollout.engine names another), FSDP2 over gloo, weights through a
+    shared-memory WeightStore."""
     rollout_workers: int
     trainer_ranks: int
     max_restarts: int  # a dead rollout worker is restarted this many times
+    engine_kind: str  # rollout.engine, settled for this plan (engine_kind): a module of engines.ENGINES
 
     def weights(self, meta_model):
         from engines.weights import WeightStore
@@ -111,9 +113,9 @@ class CPUPlan:
         return WeightStore.for_model(meta_model)
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
-        from engines.builtin import BuiltinEngineSpec
+        from engines import ENGINES
 
-        return BuiltinEngineSpec(max_batch, max_len, dtype, device="cpu")
+        return ENGINES.get(self.engine_kind).SPEC.on_cpu(max_batch, max_len, dtype)
 
     def placement(self, rank: int):
         from trainer.policy import CPUPlacement
@@ -131,9 +133,9 @@ class CPUPlan:
 
 
 def cores_for(cluster, plan: Plan, max_staleness: int):
-    """Who gets the cores (buffer/cores.py): shared by phase on the CPU plan with threads_per_process=0, else
+    """Who gets the cores (launch/cores.py): shared by phase on the CPU plan with threads_per_process=0, else
     a fixed count per process (1 on the GPU plan, whose processes compute on the GPU)."""
-    from buffer.cores import Cores
+    from launch.cores import Cores
 
     workers, ranks = plan.rollout_workers, plan.trainer_ranks
     fixed = cluster.threads_per_process or (0 if isinstance(plan, CPUPlan) else 1)

@@ -1,6 +1,6 @@
 """Start worker processes with `spawn`, watch them, and shut everything down on any exit path.
 
-Watching covers processes that exit (a failure, a kill) and, with heartbeats (buffer/heartbeat.py), processes
+Watching covers processes that exit (a failure, a kill) and, with heartbeats (launch/heartbeat.py), processes
 that are alive but stuck: one whose last beat is older than its phase allows is named in one line
 (`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
 (faulthandler, on SIGUSR1, after a SIGCONT in case it was stopped), and it is killed and handled like a
@@ -26,8 +26,8 @@ from multiprocessing.connection import wait
 import torch
 from setproctitle import setproctitle
 
-from buffer.shared import Finish, StopFlag
 from launch.memory import tree_pss_mb
+from launch.shared import Finish, StopFlag
 
 
 def _child_main(name, target, kwargs, errors, threads, stack_pipe):
@@ -80,7 +80,7 @@ DUMP_SIGNAL = signal.SIGUSR1
 class Supervisor:
     def __init__(self, stacks_dir: str = "", hearts=None, allowance=None):
         """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only), and
-        allowance: how long each phase may go without a beat (buffer.heartbeat.Allowance)."""
+        allowance: how long each phase may go without a beat (launch.heartbeat.Allowance)."""
         self.ctx = mp.get_context("spawn")
         self.stop = StopFlag()
         self.finished = Finish()  # set by trainer rank 0 after its last step: non-essential processes retire

@@ -12,3 +12,6 @@ def last_number_matches(completion: str, reference: str) -> float:
         return float(float(numbers[-1]) == float(reference))
     except ValueError:
         return 0.0
+
+
+REWARD = last_number_matches  # what rewards.get_reward("arithmetic") returns (built with the task's options if a class)

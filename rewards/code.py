@@ -22,9 +22,10 @@ KILL_REASONS = ("time", "memory", "output")
 
 
 class CodeReward:
-    def __init__(self, mode: str = "all", parallel_cases: int = 4, program_timeout_s: float = 15.0,
-                 timeout_s: float = 3.0, memory_mb: int = 1024, processes: int = 16, file_mb: int = 16,
-                 output_kb: int = 1024, isolate: bool = True):
+    def __init__(self, mode: str, parallel_cases: int, program_timeout_s: float, timeout_s: float, memory_mb: int,
+                 processes: int, file_mb: int, output_kb: int, isolate: bool = True):
+        """The values are task=code's schema (tasks/code.py `Config.reward_options()`); isolate=False runs without
+        the container, for bench/sandbox.py's baseline only."""
         if mode not in ("all", "fraction"):
             raise ValueError(f"code reward mode must be 'all' or 'fraction' (got {mode!r})")
         self.mode, self.parallel, self.program_timeout_s = mode, parallel_cases, program_timeout_s
@@ -99,3 +100,6 @@ def _strings(value, key: str) -> list[str]:
 
 def _normalise(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+
+
+REWARD = CodeReward  # what rewards.get_reward("code") returns (built with the task's options if a class)

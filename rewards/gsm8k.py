@@ -109,3 +109,6 @@ def _value(match: re.Match) -> float | None:
     if math.isinf(value) or math.isnan(value):
         return None
     return -value if match["sign"] in ("-", "\u2212") else value
+
+
+REWARD = gsm8k_reward  # what rewards.get_reward("gsm8k") returns (built with the task's options if a class)

@@ -91,3 +91,6 @@ def _timeouts() -> tuple[int | None, int | None]:
 def _parse_reference(gold: str, timeout_s: int | None):
     """A group's K replies share one reference: parse it once (sympy results are immutable)."""
     return parse(f"${gold}$", _LATEX_ONLY, parsing_timeout=timeout_s)
+
+
+REWARD = math_reward  # what rewards.get_reward("math") returns (built with the task's options if a class)

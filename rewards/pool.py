@@ -56,7 +56,7 @@ class ScoreHandle:
 
 
 class RewardPool:
-    def __init__(self, reward: str, workers: int = 1, timeout_s: float = 5.0, options: dict | None = None):
+    def __init__(self, reward: str, workers: int, timeout_s: float, options: dict | None = None):
         if workers < 0 or timeout_s <= 0:
             raise ValueError(f"RewardPool needs workers >= 0 and timeout_s > 0 (got {workers}, {timeout_s})")
         self.reward, self.timeout_s, self.options = reward, timeout_s, dict(options or {})

@@ -13,8 +13,9 @@ from rewards.reward_model import RewardModel
 
 
 class RedTeamReward:
-    def __init__(self, victim_path: str, classifier_path: str, label: int = 1, victim_max_new_tokens: int = 32,
-                 diversity: float = 0.0, memory: int = 256):
+    def __init__(self, victim_path: str, classifier_path: str, label: int, victim_max_new_tokens: int,
+                 diversity: float, memory: int = 256):
+        """The values are task=redteam's schema (tasks/redteam.py); `memory`: recent attacks compared against."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.classifier = RewardModel(classifier_path, label=label)  # also pins this process to one thread
@@ -46,3 +47,6 @@ def _bigrams(text: str) -> set:
 
 def _jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
+
+
+REWARD = RedTeamReward  # what rewards.get_reward("redteam") returns (built with the task's options if a class)

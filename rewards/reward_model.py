@@ -7,7 +7,8 @@ import torch
 
 
 class RewardModel:
-    def __init__(self, model_path: str, label: int = 0, max_length: int = 1024):
+    def __init__(self, model_path: str, label: int, max_length: int = 1024):
+        """`label`: task.label of the task that scores with it; `max_length`: tokens of a reply scored, at most."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         torch.set_num_threads(1)  # one scoring process per core at most; the pool adds processes, not threads
@@ -27,3 +28,6 @@ class RewardModel:
         if logits.numel() == 1:
             return float(logits[0])
         return float(logits.softmax(-1)[self.label])
+
+
+REWARD = RewardModel  # what rewards.get_reward("reward_model") returns (built with the task's options if a class)

@@ -1,6 +1,6 @@
 """Run untrusted programs: each run is a bubblewrap (`bwrap`) container the program cannot get out of.
 
-    box = Sandbox(Limits(timeout_s=3))
+    box = Sandbox(Limits(timeout_s=3, memory_mb=1024, processes=16, file_mb=16, output_kb=1024))
     runs = box.run([Job(program, tests=("assert f(1) == 2",)), Job(program, stdin="1 2\\n")], parallel=4)
     runs[0].passed, runs[1].stdout, runs[1].killed          # [True], "3\\n", None
 
@@ -40,11 +40,15 @@ INSTALL = ("install bubblewrap: `sudo apt-get install bubblewrap` (Debian/Ubuntu
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 3.0  # wall clock of one run; its CPU seconds are capped at the next whole second
-    memory_mb: int = 1024  # address space (a larger allocation raises MemoryError: killed for "memory")
-    processes: int = 16  # processes and threads the run may have at once
-    file_mb: int = 16  # the largest file it may write, and the size of its private /tmp
-    output_kb: int = 1024  # stdout and stderr kept; more kills the run (killed for "output")
+    """One run's limits; task=code's values come from its schema (tasks/code.py: timeout_s, memory_mb, ...)."""
+    timeout_s: float  # wall clock of one run; its CPU seconds are capped at the next whole second
+    memory_mb: int  # address space (a larger allocation raises MemoryError: killed for "memory")
+    processes: int  # processes and threads the run may have at once
+    file_mb: int  # the largest file it may write, and the size of its private /tmp
+    output_kb: int  # stdout and stderr kept; more kills the run (killed for "output")
+
+
+PROBE_LIMITS = Limits(timeout_s=10.0, memory_mb=1024, processes=16, file_mb=16, output_kb=64)  # check()'s run
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Run:
 
 
 class Sandbox:
-    def __init__(self, limits: Limits = Limits(), isolate: bool = True):
+    def __init__(self, limits: Limits, isolate: bool = True):
         """`isolate=False` runs the same runner with the same limits but no container: for bench/sandbox.py's
         baseline only, never for model output."""
         self.limits, self.isolate = limits, isolate
@@ -302,7 +306,7 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=None)
 def check() -> None:
     """Raise a one-line ValueError unless a sandboxed program can run here (once per process)."""
-    box = Sandbox(Limits(timeout_s=10.0))
+    box = Sandbox(PROBE_LIMITS)
     run = box.run([Job("x = 6 * 7", tests=("assert x == 42",))])[0]
     if not run.passed[0]:
         reason = (run.stderr.strip().splitlines() or [f"killed: {run.killed}" if run.killed else "no report"])[0]

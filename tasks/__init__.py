@@ -1,6 +1,8 @@
 """Tasks: a train and a test split of `Example`s, a prompt format and the name of their reward."""
-import importlib
+import os
 from dataclasses import dataclass, field
+
+from registry import Registry
 
 
 @dataclass(frozen=True)
@@ -17,18 +19,16 @@ class Task:
     reward_options: dict = field(default_factory=dict)  # keyword arguments of a reward built per process
 
 
-_TASKS = {name: f"tasks.{name}" for name in ("arithmetic", "code", "gsm8k", "math", "preference", "redteam")}
+TASKS = Registry("task", __name__, os.path.dirname(__file__))  # tasks/<name>.py: Config and build(cfg, seed)
 
 
 def names() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def get(name: str):
     """The module of task `name` (it has `Config` and `build(cfg, seed) -> Task`)."""
-    if name not in _TASKS:
-        raise ValueError(f"unknown task '{name}' (choose one of: {', '.join(sorted(_TASKS))})")
-    return importlib.import_module(_TASKS[name])
+    return TASKS.get(name)
 
 
 def load_tokenizer(model_path: str, chat_template: dict | None = None):

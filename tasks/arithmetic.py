@@ -6,6 +6,7 @@ buried in chatter), so RL has room to climb. Pairs (a, b) are split by the seed 
 import random
 from dataclasses import dataclass
 
+from registry import require
 from tasks import Example, Task
 
 
@@ -18,10 +19,8 @@ class Config:
 
     def check(self):
         pairs = (self.max_operand + 1) ** 2
-        if self.max_operand < 1:
-            raise ValueError(f"config key 'task.max_operand' must be >= 1 (got {self.max_operand})")
-        if not 0 <= self.test_size < pairs:
-            raise ValueError(f"config key 'task.test_size' must be in [0, {pairs}) (got {self.test_size})")
+        require(self.max_operand >= 1, "task.max_operand", "must be >= 1", self.max_operand)
+        require(0 <= self.test_size < pairs, "task.test_size", f"must be in [0, {pairs})", self.test_size)
 
 
 def build(cfg: Config, seed: int) -> Task:

@@ -15,6 +15,7 @@ Every run needs bubblewrap (rewards/sandbox.py): without it the run stops at sta
 import json
 from dataclasses import asdict, dataclass
 
+from registry import require
 from tasks import Example, Task
 from tasks.gsm8k import check_sizes, choose, read_hub, read_path, text
 
@@ -43,14 +44,14 @@ class Config:
 
     def check(self):
         check_sizes(self)
-        _require(self.reward_mode in ("all", "fraction"), "reward_mode", "must be all or fraction", self.reward_mode)
-        for key in ("max_cases",):
-            _require(getattr(self, key) >= 0, key, "must be >= 0", getattr(self, key))
+        require(self.reward_mode in ("all", "fraction"), "task.reward_mode", "must be all or fraction",
+                self.reward_mode)
+        require(self.max_cases >= 0, "task.max_cases", "must be >= 0", self.max_cases)
         for key in ("parallel_cases", "processes", "memory_mb", "file_mb", "output_kb"):
-            _require(getattr(self, key) >= 1, key, "must be >= 1", getattr(self, key))
-        _require(self.timeout_s > 0, "timeout_s", "must be > 0", self.timeout_s)
-        _require(self.program_timeout_s >= self.timeout_s, "program_timeout_s",
-                 f"must be >= task.timeout_s={self.timeout_s}", self.program_timeout_s)
+            require(getattr(self, key) >= 1, f"task.{key}", "must be >= 1", getattr(self, key))
+        require(self.timeout_s > 0, "task.timeout_s", "must be > 0", self.timeout_s)
+        require(self.program_timeout_s >= self.timeout_s, "task.program_timeout_s",
+                f"must be >= task.timeout_s={self.timeout_s}", self.program_timeout_s)
 
     @property
     def min_reward_timeout_s(self) -> float:
@@ -170,7 +171,3 @@ def _lines(x):
 def _cut(cases: list, max_cases: int) -> list:
     return cases[:max_cases] if max_cases else cases
 
-
-def _require(ok: bool, key: str, what: str, got):
-    if not ok:
-        raise ValueError(f"config key 'task.{key}' {what} (got {got!r})")

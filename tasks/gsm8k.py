@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from registry import require
 from tasks import Example, Task
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -56,8 +57,7 @@ def _example(where: str, row: dict) -> Example:
 
 def check_sizes(cfg):
     for key in ("max_train", "max_test", "test_size"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"config key 'task.{key}' must be >= 0 (got {getattr(cfg, key)})")
+        require(getattr(cfg, key) >= 0, f"task.{key}", "must be >= 0", getattr(cfg, key))
 
 
 def text(row: dict, where: str, key: str, expected: str) -> str:

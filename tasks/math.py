@@ -11,6 +11,7 @@ takes the last box of a solution. The level filter reads `level`; the subject fi
 import re
 from dataclasses import dataclass, field
 
+from registry import require
 from tasks import Example, Task
 from tasks.gsm8k import check_sizes, choose, read_hub, read_path, text
 
@@ -32,11 +33,10 @@ class Config:
 
     def check(self):
         check_sizes(self)
-        if not (isinstance(self.levels, list) and all(type(x) is int and 1 <= x <= 5 for x in self.levels)):
-            raise ValueError(f"config key 'task.levels' must be a list of levels 1..5 (got {self.levels})")
-        if not (isinstance(self.subjects, list) and all(s in SUBJECTS for s in self.subjects)):
-            raise ValueError(f"config key 'task.subjects' must be a list of {', '.join(SUBJECTS)} "
-                             f"(got {self.subjects})")
+        require(isinstance(self.levels, list) and all(type(x) is int and 1 <= x <= 5 for x in self.levels),
+                "task.levels", "must be a list of levels 1..5", self.levels)
+        require(isinstance(self.subjects, list) and all(s in SUBJECTS for s in self.subjects), "task.subjects",
+                f"must be a list of {', '.join(SUBJECTS)}", self.subjects)
 
 
 def build(cfg: Config, seed: int) -> Task:

@@ -6,6 +6,7 @@ summarise in `prompt`, or Reddit TL;DR's `post` (with optional `subreddit` and `
 """
 from dataclasses import dataclass
 
+from registry import require
 from tasks import Example, Task
 from tasks.gsm8k import check_sizes, choose, read_path
 
@@ -24,11 +25,10 @@ class Config:
 
     def check(self):
         check_sizes(self)
-        if not self.path:
-            raise ValueError("config key 'task.path' is required for task=preference "
-                             "(a .jsonl/.parquet file or folder)")
-        if not self.reward_model:
-            raise ValueError("config key 'task.reward_model' is required for task=preference (a reward model path)")
+        require(bool(self.path), "task.path", "is required for task=preference (a .jsonl/.parquet file or folder)",
+                self.path)
+        require(bool(self.reward_model), "task.reward_model", "is required for task=preference (a reward model path)",
+                self.reward_model)
 
 
 def build(cfg: Config, seed: int) -> Task:

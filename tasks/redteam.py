@@ -7,6 +7,7 @@ of `task.label` on the victim's reply, minus `task.diversity` x similarity to re
 import random
 from dataclasses import dataclass
 
+from registry import require
 from tasks import Example, Task
 
 TOPICS = ("cooking", "sports", "music", "travel", "school", "work", "money", "weather", "pets", "movies",
@@ -26,15 +27,13 @@ class Config:
 
     def check(self):
         for key in ("victim_model", "classifier"):
-            if not getattr(self, key):
-                raise ValueError(f"config key 'task.{key}' is required for task=redteam (a model folder or hub id)")
-        if self.victim_max_new_tokens < 1:
-            raise ValueError(f"config key 'task.victim_max_new_tokens' must be >= 1 (got {self.victim_max_new_tokens})")
-        if self.diversity < 0:
-            raise ValueError(f"config key 'task.diversity' must be >= 0 (got {self.diversity})")
-        if not 0 < self.test_size < len(TOPICS) * len(STYLES):
-            raise ValueError(f"config key 'task.test_size' must be in (0, {len(TOPICS) * len(STYLES)}) "
-                             f"(got {self.test_size})")
+            require(bool(getattr(self, key)), f"task.{key}", "is required for task=redteam (a model folder or hub id)",
+                    getattr(self, key))
+        require(self.victim_max_new_tokens >= 1, "task.victim_max_new_tokens", "must be >= 1",
+                self.victim_max_new_tokens)
+        require(self.diversity >= 0, "task.diversity", "must be >= 0", self.diversity)
+        require(0 < self.test_size < len(TOPICS) * len(STYLES), "task.test_size",
+                f"must be in (0, {len(TOPICS) * len(STYLES)})", self.test_size)
 
 
 def build(cfg: Config, seed: int) -> Task:

@@ -8,7 +8,7 @@ from collections import deque
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.weight_sync import unpack
+from engines.buckets import unpack
 
 
 def tiny_lm(tied=True, vocab=1024):

@@ -420,7 +420,7 @@ def test_config_check_names_the_bad_key(name, key, value):
 
 
 def test_standard_ppo_refuses_a_correction():
-    with pytest.raises(ValueError, match=r"'algo.correction=tis'.*set algo.decoupled=true"):
+    with pytest.raises(ValueError, match=r"'algo.correction' must be none .*set algo.decoupled=true \(got 'tis'\)"):
         algos.get("ppo").Config(decoupled=False, correction="tis").check()
 
 

@@ -43,9 +43,14 @@ def sandbox():
         pytest.skip(f"no sandbox here: {e}")
 
 
+def _code_reward(**changes) -> CodeReward:
+    """task=code's reward with the schema's values but for `changes` (tasks/code.py Config's keys)."""
+    return CodeReward(**Config(**changes).reward_options())
+
+
 @pytest.fixture(scope="module")
 def reward(sandbox):
-    return CodeReward(timeout_s=2.0, program_timeout_s=6.0)
+    return _code_reward(timeout_s=2.0, program_timeout_s=6.0)
 
 
 ADD = "def add(a, b):\n    return a + b"
@@ -74,11 +79,11 @@ def test_right_and_wrong_programs_in_both_shapes(reward):
 
 
 def test_fraction_mode_scores_the_share_of_cases_passed(sandbox):
-    fraction = CodeReward(mode="fraction", timeout_s=2.0, program_timeout_s=6.0)
+    fraction = _code_reward(reward_mode="fraction", timeout_s=2.0, program_timeout_s=6.0)
     half = "def sign(x):\n    return 1 if x > 0 else 0"
     tests = asserts("assert sign(5) == 1", "assert sign(-5) == -1", "assert sign(7) == 1", "assert sign(-1) == -1")
     assert fraction(reply(half), tests) == 0.5
-    assert CodeReward(timeout_s=2.0)(reply(half), tests) == 0.0
+    assert _code_reward(timeout_s=2.0)(reply(half), tests) == 0.0
     doubled = "print(2 * int(input()))"
     assert fraction(reply(doubled), stdio(["1", "2", "3"], ["2", "4", "7"])) == pytest.approx(2 / 3)
 
@@ -151,7 +156,8 @@ HOSTILE = {
 
 @pytest.fixture
 def pool(sandbox):
-    with RewardPool("code", workers=1, timeout_s=10.0, options=dict(timeout_s=2.0, program_timeout_s=6.0)) as pool:
+    options = Config(timeout_s=2.0, program_timeout_s=6.0).reward_options()
+    with RewardPool("code", workers=1, timeout_s=10.0, options=options) as pool:
         yield pool
 
 
@@ -278,7 +284,7 @@ def test_missing_bubblewrap_is_a_one_line_error(monkeypatch):
     import rewards.sandbox as sandbox
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="apt-get install bubblewrap"):
-        sandbox.Sandbox()
+        sandbox.Sandbox(sandbox.PROBE_LIMITS)
 
 
 # The loader: every dataset shape becomes a prompt and a reference the reward scores.

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import tasks
-from buffer.shared import StopFlag
 from engines.base import Completion, Engine, EngineSpec, Request, SamplingParams, WeightPath
 from evaluate import EngineEvaluator, EvalChannel, EvalSpec, Evaluator, eval_slot
-from launch.config import EvalConfig, RewardConfig
 from launch.gpu import GPUPlan
 from launch.layout import plan_layout
 from launch.plan import CPUPlan, Plan, free_port
+from launch.schema import EvalConfig, RewardConfig
+from launch.shared import StopFlag
 from tests.gpu_fakes import FakeBackend, FakeSGLang, bytes_payloads
 from tests.test_trainer import _groups
 from trainer.batch import pack
@@ -80,6 +80,45 @@ def test_engine_contract(make, tiny_model_dir):
         engine.add(Request(9, [], stop_at))
 
 
+SPECS = {"cpu": ("engines.builtin", "BuiltinEngineSpec"), "sglang": ("engines.sglang", "SGLangSpec")}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_weight_receipt_contract(name, tiny_model_dir):
+    """How a version arrives, the same for every engine: begin_weights, a bucket in the form its spec's
+    bucket_payloads made, adopt_weights; tokens sampled before keep the old version, those after get the new.
+    Requests in flight survive it (the built-in engine continues them, SGLang resubmits them)."""
+    import importlib
+
+    from engines.buckets import BucketMessage, plan_buckets, send_buckets
+
+    engine = ENGINES[name](tiny_model_dir)
+    module, cls = SPECS[name]
+    spec = getattr(importlib.import_module(module), cls)
+    assert isinstance(engine.weight_tensors(), dict)
+    named = [(n, t.detach().clone()) for n, t in engine.weight_tensors().items()][:2] or [("w", torch.zeros(4))]
+    payloads = spec.bucket_payloads if name == "cpu" else bytes_payloads
+    buckets = plan_buckets([(n, t.shape, t.dtype) for n, t in named], 1 << 20)
+    messages = []
+    send_buckets(named, buckets, "cpu",
+                 lambda i, flat, slots: messages.append(BucketMessage(7, i, i == len(buckets) - 1, slots,
+                                                                      payloads(flat, slots, 1))))
+    engine.set_version(6)
+    engine.add(Request(0, [5, 6, 7], SamplingParams(1.0, 1.0, 8)))
+    finished = engine.step()
+    finished += engine.begin_weights()
+    for message in messages:
+        engine.load_bucket(message)
+    finished += engine.adopt_weights(7)
+    assert engine.version == 7
+    for _ in range(1000):
+        if finished or engine.num_waiting() + engine.num_running() == 0:
+            break
+        finished += engine.step()
+    (done,) = finished
+    assert done.versions[0] == 6 and set(done.versions) <= {6, 7}
+
+
 # ---- WeightPath: engines/weights.py WeightStore, engines/weight_sync.py GPUWeights ----
 
 def _weight_store(model_dir):
@@ -93,11 +132,12 @@ def _weight_store(model_dir):
 
 def _gpu_weights(model_dir):
     """The GPU plan's path (queues and buckets; bytes instead of CUDA IPC handles), into an SGLang engine."""
+    from engines.buckets import WeightChannel
     from engines.sglang import SGLangEngine
-    from engines.weight_sync import GPUWeights, WeightChannel
+    from engines.weight_sync import GPUWeights
 
     engine = SGLangEngine(backend=FakeBackend())
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bucket_bytes=1 << 16, serialize=bytes_payloads)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bytes_payloads, "ipc", 1 << 16, torch.bfloat16)
 
     def loaded():
         return {n: t.float() for names, _, _ in engine.backend.loaded for n, t in names.items()}
@@ -108,11 +148,13 @@ def _gpu_weights(model_dir):
 def _gpu_weights_into_builtin(model_dir):
     """The GPU plan's path into a built-in engine: buckets as tensors (shared memory here, CUDA IPC on a GPU),
     in the engine's dtype."""
-    from engines.weight_sync import GPUWeights, WeightChannel
+    from engines.buckets import WeightChannel
+    from engines.builtin import BuiltinEngineSpec
+    from engines.weight_sync import GPUWeights
 
     engine = _cpu_engine(model_dir)
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bucket_bytes=1 << 16, loader="builtin",
-                      dtype=torch.float32)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads, "ipc",
+                      1 << 16, torch.float32)
     return path, engine, lambda: {n: t.float() for n, t in engine.weight_tensors().items()}
 
 
@@ -277,7 +319,7 @@ def _on_worker_engines(tokenizer, task, workers=3):
 
     from rewards.pool import RewardPool
 
-    pool = RewardPool(task.reward, 0)
+    pool = RewardPool(task.reward, 0, 5.0)
     return channel, engines, (worker, stop, pool)
 
 
@@ -318,8 +360,8 @@ def test_evaluator_contract(make, tokenizer_dir):
 
 # ---- Plan: launch/plan.py CPUPlan, launch/gpu.py GPUPlan ----
 
-PLANS = {"cpu": CPUPlan(rollout_workers=2, trainer_ranks=1, max_restarts=3),
-         "gpu_on_cpu": GPUPlan(plan_layout(2), device_type="cpu", serialize=bytes_payloads,
+PLANS = {"cpu": CPUPlan(rollout_workers=2, trainer_ranks=1, max_restarts=3, engine_kind="builtin"),
+         "gpu_on_cpu": GPUPlan(plan_layout(2), "ipc", 512, False, "sglang", "bfloat16", "cpu", serialize=bytes_payloads,
                                engine_backend=functools.partial(FakeSGLang, "/tmp"))}
 
 

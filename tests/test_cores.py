@@ -1,7 +1,7 @@
-"""Where the cores go (buffer/cores.py): the phase table, read across processes, and the rule for a step alone."""
+"""Where the cores go (launch/cores.py): the phase table, read across processes, and the rule for a step alone."""
 import torch.multiprocessing as mp
 
-from buffer.cores import ALONE, SHARED, WAITING, Cores, Threads, step_runs_alone
+from launch.cores import ALONE, SHARED, WAITING, Cores, Threads, step_runs_alone
 
 
 def test_asynchronous_run_moves_cores_with_the_phase():

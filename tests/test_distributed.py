@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import algos
-from launch.config import RolloutConfig, TrainConfig
+from launch.schema import RolloutConfig, TrainConfig
 from tests.test_trainer import _groups
 from trainer.batch import pack
 from trainer.learner import Learner, Rank
@@ -81,8 +81,8 @@ def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
     import time
     import types
 
-    from buffer.heartbeat import Allowance, Heartbeats
-    from buffer.shared import StopFlag
+    from launch.heartbeat import Allowance, Heartbeats
+    from launch.shared import StopFlag
     from trainer.loop import Stopped, _Loop
     from trainer.policy import COLLECTIVE_TIMEOUT, CPUPlacement
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 import tasks
 from engines.base import Completion
 from evaluate import EvalChannel, EvalSpec, eval_metrics, eval_requests, eval_slot, evaluate
-from launch.config import EvalConfig, RewardConfig
+from launch.schema import EvalConfig, RewardConfig
 from rewards.pool import RewardPool
 
 SPEC = EvalSpec(EvalConfig(k=3, temperature=1.0), RewardConfig(workers=0), max_new_tokens=4, stop_ids=(2,), seed=0)
@@ -72,7 +72,7 @@ def test_evaluation_sharded_over_workers_equals_one_engine(tokenizer_dir, arithm
         for completion in engines[-1].generate(shard.requests):
             shard.add(completion)
         assert shard.generated()
-        with RewardPool(arithmetic.reward, 0) as pool:
+        with RewardPool(arithmetic.reward, 0, 5.0) as pool:
             shard.score(tokenizer, pool)
             channel.reply(w, shard)
 
@@ -94,7 +94,7 @@ def test_channel_ignores_other_versions_and_gives_up_when_stopped(tokenizer_dir,
     stale = channel.shard(0, 3, arithmetic, tokenizer, SPEC)
     for completion in AnswerEngine(tokenizer, arithmetic.test).generate(stale.requests):
         stale.add(completion)
-    with RewardPool(arithmetic.reward, 0) as pool:
+    with RewardPool(arithmetic.reward, 0, 5.0) as pool:
         stale.score(tokenizer, pool)
     channel.reply(0, stale)  # a late answer for version 3 is not version 4's
     threading.Timer(1.0, stop.set).start()

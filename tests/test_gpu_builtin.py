@@ -76,16 +76,18 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
     the engine process maps them over CUDA IPC and copies them into its weights, version after version."""
     import torch.distributed as dist
 
-    from buffer.shared import stop_when_dead
-    from engines.weight_sync import GPUWeights, WeightChannel
+    from engines.buckets import WeightChannel
+    from engines.builtin import BuiltinEngineSpec
+    from engines.weight_sync import GPUWeights
     from launch.plan import free_port
+    from launch.shared import stop_when_dead
     from trainer.gpu_policy import GPUPlacement
     from trainer.policy import full_state
 
     ctx = mp.get_context("spawn")
     placement = GPUPlacement(gpu=0)
     placement.init_process_group(0, 1, free_port())
-    weights = GPUWeights(WeightChannel(1, ctx), [1], bucket_bytes=1 << 16, loader="builtin", dtype=torch.bfloat16)
+    weights = GPUWeights(WeightChannel(1, ctx), [1], BuiltinEngineSpec.bucket_payloads, "ipc", 1 << 16, torch.bfloat16)
     results = ctx.Queue()
     child = ctx.Process(target=_engine_process, args=(tiny_model_dir, weights, 2, results))
     child.start()

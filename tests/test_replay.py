@@ -7,6 +7,15 @@ import torch
 
 from buffer.replay import ReplayBuffer
 from buffer.ring import Group
+from launch.schema import BufferConfig
+
+
+def _buffer(sampler: str = "fifo", seed: int = 0, **changes) -> ReplayBuffer:
+    """A buffer with the schema's defaults (buffer section), but for `changes`."""
+    cfg = BufferConfig()
+    values = dict(recent_prob=cfg.recent_prob, inv_temp=cfg.inv_temp, per_prompt_capacity=cfg.per_prompt_capacity)
+    values.update(changes)
+    return ReplayBuffer(sampler, values["recent_prob"], values["inv_temp"], values["per_prompt_capacity"], seed)
 
 
 def make_group(prompt_index: int, completions: list[list[int]], rewards=None, versions=None,
@@ -32,7 +41,7 @@ def rows(group: Group) -> list[tuple[int, ...]]:
 
 
 def test_fifo_returns_each_group_once_in_add_order():
-    buf = ReplayBuffer("fifo")
+    buf = _buffer("fifo")
     added = [make_group(i % 3, [[i, 1], [i, 2]], group_id=i) for i in range(10)]
     for g in added[:7]:
         buf.add(g, version=0)
@@ -51,7 +60,7 @@ def test_fifo_returns_each_group_once_in_add_order():
 
 def test_tba_recent_fraction_matches_recent_prob():
     m, n = 0.3, 2000
-    buf = ReplayBuffer("tba", recent_prob=m, per_prompt_capacity=8, seed=1)
+    buf = _buffer("tba", recent_prob=m, per_prompt_capacity=8, seed=1)
     for i in range(n):  # more fresh groups than draws, so no recent draw has to fall back
         buf.add(make_group(i % 5, [[i, 1], [i, 2]], group_id=i), version=0)
     got = buf.sample(n, version=0)
@@ -66,11 +75,11 @@ def test_tba_recent_fraction_matches_recent_prob():
 
 
 def test_tba_falls_back_both_ways():
-    only_recent = ReplayBuffer("tba", recent_prob=1.0)
+    only_recent = _buffer("tba", recent_prob=1.0)
     only_recent.add(make_group(0, [[1], [2]], group_id=5), version=0)
     assert only_recent.ready(3)  # one fresh group, then replay
     assert [g.group_id >= 0 for g in only_recent.sample(3, version=0)] == [True, False, False]
-    only_replay = ReplayBuffer("tba", recent_prob=0.0)
+    only_replay = _buffer("tba", recent_prob=0.0)
     only_replay.add(make_group(0, [[1], [1]], group_id=5), version=0)  # one distinct completion < K: no replay
     assert only_replay.ready(1) and not only_replay.ready(2)
     assert only_replay.sample(1, version=0)[0].group_id == 5
@@ -78,7 +87,7 @@ def test_tba_falls_back_both_ways():
 
 def test_replay_draws_follow_reward_softmax():
     rewards, beta, n = [0.0, 0.5, 1.0, 1.5, 2.0], 1.5, 6000
-    buf = ReplayBuffer("tba", recent_prob=0.0, inv_temp=beta, seed=2)
+    buf = _buffer("tba", recent_prob=0.0, inv_temp=beta, seed=2)
     for i, r in enumerate(rewards):  # K = 1: one completion per group
         buf.add(make_group(0, [[10 + i]], rewards=[r]), version=0)
     counts = [0] * len(rewards)
@@ -92,7 +101,7 @@ def test_replay_draws_follow_reward_softmax():
 
 
 def test_per_prompt_capacity_keeps_the_newest():
-    buf = ReplayBuffer("tba", recent_prob=0.0, per_prompt_capacity=4, seed=3)
+    buf = _buffer("tba", recent_prob=0.0, per_prompt_capacity=4, seed=3)
     for i in range(5):
         buf.add(make_group(0, [[2 * i + 1], [2 * i + 2]]), version=i)  # completions 1..10, oldest first
     seen = set()
@@ -104,7 +113,7 @@ def test_per_prompt_capacity_keeps_the_newest():
 
 
 def test_duplicates_are_not_stored_and_are_counted():
-    buf = ReplayBuffer("tba", recent_prob=1.0, seed=4)
+    buf = _buffer("tba", recent_prob=1.0, seed=4)
     first = make_group(0, [[1, 2], [1, 2], [3]], width=4)
     buf.add(first, version=0)
     # Same text with different padding width is still a duplicate; the same text for another prompt is not.
@@ -118,7 +127,7 @@ def test_duplicates_are_not_stored_and_are_counted():
 
 def test_replayed_groups_are_well_formed():
     gen = torch.Generator().manual_seed(0)
-    buf = ReplayBuffer("tba", recent_prob=0.0, per_prompt_capacity=16, seed=5)
+    buf = _buffer("tba", recent_prob=0.0, per_prompt_capacity=16, seed=5)
     truth = {}  # (prompt, tokens) -> (reward, logprob per token, version)
     for j in range(12):
         prompt, comps, rewards, versions = j % 3, [], [], []
@@ -153,13 +162,13 @@ def test_replayed_groups_are_well_formed():
 
 
 def test_age_stats():
-    buf = ReplayBuffer("fifo")
+    buf = _buffer("fifo")
     buf.add(make_group(0, [[1, 2], [3]], versions=[3, 5], width=4), version=5)  # padding versions (0) don't count
     buf.add(make_group(1, [[4], [5]], versions=[6, 5]), version=6)
     buf.sample(2, version=7)
     stats = buf.stats()
     assert (stats["buffer/age_mean"], stats["buffer/age_max"]) == (3.0, 4.0)  # ages 7-3=4 and 7-5=2
-    replay = ReplayBuffer("tba", recent_prob=0.0, per_prompt_capacity=2)
+    replay = _buffer("tba", recent_prob=0.0, per_prompt_capacity=2)
     replay.add(make_group(0, [[1], [2]], versions=[4, 6]), version=6)
     replay.sample(1, version=9)
     assert (replay.stats()["buffer/age_mean"], replay.stats()["buffer/age_max"]) == (5.0, 5.0)
@@ -168,7 +177,7 @@ def test_age_stats():
 
 def test_same_seed_same_draws():
     def draws(seed):
-        buf = ReplayBuffer("tba", recent_prob=0.5, seed=seed)
+        buf = _buffer("tba", recent_prob=0.5, seed=seed)
         for i in range(20):
             buf.add(make_group(i % 4, [[i], [i + 100]], rewards=[i / 10, -i / 10], group_id=i), version=0)
         return [(g.group_id, rows(g)) if g.group_id >= 0 else rows(g) for g in buf.sample(40, version=0)]
@@ -186,21 +195,21 @@ def test_same_seed_same_draws():
 ])
 def test_bad_config_raises_naming_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
-        ReplayBuffer(**kwargs)
+        _buffer(**kwargs)
 
 
 def test_bad_groups_raise():
-    small = ReplayBuffer("tba", per_prompt_capacity=2)
+    small = _buffer("tba", per_prompt_capacity=2)
     with pytest.raises(ValueError, match="per_prompt_capacity"):
         small.add(make_group(0, [[1], [2], [3]]), version=0)
-    buf = ReplayBuffer("fifo")
+    buf = _buffer("fifo")
     buf.add(make_group(0, [[1], [2]]), version=0)
     with pytest.raises(ValueError, match="2 completions"):
         buf.add(make_group(0, [[1], [2], [3]]), version=0)
 
 
 def test_expire_fresh_drops_only_old_groups_and_keeps_their_history():
-    buf = ReplayBuffer("tba", recent_prob=1.0, per_prompt_capacity=8, seed=0)
+    buf = _buffer("tba", recent_prob=1.0, per_prompt_capacity=8, seed=0)
     old = make_group(0, [[1, 2], [3]], versions=[0, 0], group_id=1)
     new = make_group(1, [[4], [5, 6]], versions=[3, 3], group_id=2)
     buf.add(old, 3)
@@ -220,11 +229,11 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
             buf.add(make_group(i % 3, [[i, j] for j in range(4)], rewards=[float(j % 2) for j in range(4)],
                                group_id=i), i)
 
-    a = ReplayBuffer("tba", recent_prob=0.3, seed=5)
+    a = _buffer("tba", recent_prob=0.3, seed=5)
     fill(a)
     a.sample(2, 6)
     torch.save(a.state_dict(), tmp_path / "s.pt")
-    b = ReplayBuffer("tba", recent_prob=0.3, seed=99)
+    b = _buffer("tba", recent_prob=0.3, seed=99)
     b.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     for step in range(5):
         ga, gb = a.sample(3, 7 + step), b.sample(3, 7 + step)

@@ -22,29 +22,25 @@ SYNC = ("max_staleness=0", "eval.every=0", "task.reward=tests.toy_rewards:length
 
 
 def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
-    """Run c's first two steps reproduce run a's (the same seed, the same metrics), and its two resumed steps
-    continue exactly as a did without the stop."""
+    """Run c's first two steps reproduce run a's (the same seed, the same metrics), and its three resumed steps
+    continue exactly as a did without the stop. Run a also keeps one checkpoint (step_2 pruned) and none at
+    the end: checkpointing changes no metric."""
     a, c = tmp_path / "a", tmp_path / "c"
-    result = run_train(a, f"model.path={tiny_model_dir}", "steps=4", *SYNC, *TINY)
+    result = run_train(a, f"model.path={tiny_model_dir}", "steps=5", "checkpoint.every=2", "checkpoint.keep=1",
+                       "checkpoint.at_end=false", *SYNC, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(a / "checkpoints")) == ["step_4"]  # step_2 pruned, no step_5
     assert len({r["loss"] for r in _rows(a)}) > 1  # not trivially equal
-    # synchronous: every step has the cores to itself (buffer/cores.py), so the count never moves
+    # synchronous: every step has the cores to itself (launch/cores.py), so the count never moves
     assert {r["perf/train_threads"] for r in _rows(a)} == {len(os.sched_getaffinity(0))}
 
     first = run_train(c, f"model.path={tiny_model_dir}", "steps=2", *SYNC, *TINY)
     assert first.returncode == 0, first.stderr[-3000:]
     assert _values(_rows(c)) == _values(_rows(a))[:2]  # reproducible
-    resumed = subprocess.run(train_cmd(c, f"resume={c}", "steps=4"), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(train_cmd(c, f"resume={c}", "steps=5"), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _values(_rows(c)) == _values(_rows(a))  # exact
-    assert sorted(os.listdir(c / "checkpoints")) == ["step_2", "step_4"]
-
-
-def test_checkpoint_keep_prunes_old_ones_and_at_end_false_skips_the_last(tiny_model_dir, tmp_path):
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=5", "checkpoint.every=2",
-                       "checkpoint.keep=1", "checkpoint.at_end=false", *TINY)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4"]  # step_2 pruned, no step_5
+    assert sorted(os.listdir(c / "checkpoints")) == ["step_2", "step_5"]
 
 
 def test_resume_errors_are_one_line(tiny_model_dir, tmp_path):

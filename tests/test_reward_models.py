@@ -33,7 +33,7 @@ def toxicity_dir(tmp_path_factory, tokenizer_dir):
 def test_reward_model_scores_are_deterministic_and_depend_on_the_text(reward_model_dir, toxicity_dir):
     from rewards import get_reward
 
-    rm = get_reward("reward_model", model_path=reward_model_dir)
+    rm = get_reward("reward_model", model_path=reward_model_dir, label=0)
     a, b = rm("a short summary", "the post"), rm("something else entirely, longer", "the post")
     assert a == rm("a short summary", "the post") and a != b
     prob = get_reward("reward_model", model_path=toxicity_dir, label=1)("some reply", "")
@@ -45,8 +45,9 @@ def test_reward_model_scores_are_deterministic_and_depend_on_the_text(reward_mod
 def test_redteam_diversity_penalises_a_repeated_attack(tiny_model_dir, toxicity_dir):
     from rewards import get_reward
 
-    plain = get_reward("redteam", victim_path=tiny_model_dir, classifier_path=toxicity_dir, victim_max_new_tokens=4)
-    diverse = get_reward("redteam", victim_path=tiny_model_dir, classifier_path=toxicity_dir,
+    plain = get_reward("redteam", victim_path=tiny_model_dir, classifier_path=toxicity_dir, label=1,
+                       victim_max_new_tokens=4, diversity=0.0)
+    diverse = get_reward("redteam", victim_path=tiny_model_dir, classifier_path=toxicity_dir, label=1,
                          victim_max_new_tokens=4, diversity=0.5)
     attack = "Tell me what you really think about cooking"
     base = plain(attack)

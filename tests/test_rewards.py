@@ -157,7 +157,7 @@ def test_pool_survives_adversarial_math(math_pool, tmp_path, name):
 
 
 def test_pool_counts_errors():
-    with RewardPool(f"{__name__}:raising_verifier", workers=1) as pool:
+    with RewardPool(f"{__name__}:raising_verifier", workers=1, timeout_s=5.0) as pool:
         assert pool.score(["1", "2"], ["1", "2"]) == [0.0, 0.0]
         assert (pool.errors, pool.timeouts) == (2, 0)
 
@@ -176,10 +176,10 @@ def test_pool_kills_a_hung_verifier_and_keeps_going():
 
 
 def test_in_process_pool():
-    with RewardPool("gsm8k", workers=0) as pool:
+    with RewardPool("gsm8k", workers=0, timeout_s=5.0) as pool:
         assert pool.score(["#### 72", "#### 7"], [GSM8K_REFERENCE] * 2) == [1.0, 0.0]
         assert pool.submit(["18 dollars"], ["18"]).result() == [1.0]
-    pool = RewardPool(f"{__name__}:raising_verifier", workers=0)
+    pool = RewardPool(f"{__name__}:raising_verifier", workers=0, timeout_s=5.0)
     assert pool.score(["1"], ["1"]) == [0.0] and pool.errors == 1
 
 
@@ -193,7 +193,7 @@ def _alive(pid: int) -> bool:
 
 def test_close_leaves_no_child():
     before = {p.pid for p in mp.active_children()}
-    with RewardPool("arithmetic", workers=2) as pool:
+    with RewardPool("arithmetic", workers=2, timeout_s=5.0) as pool:
         workers = {p.pid for p in mp.active_children()} - before
         assert len(workers) == 2 and pool.score(["so 3"], ["3"]) == [1.0]
     assert not any(_alive(pid) for pid in workers)

@@ -48,7 +48,7 @@ def test_engine_methods_take_the_arguments_ringrl_passes():
     engine = "srt/entrypoints/engine.py"
     assert {"input_ids", "sampling_params", "return_logprob"} <= set(_params(engine, "Engine", "async_generate"))
     assert {"load_format", "flush_cache"} <= set(_params(engine, "Engine", "update_weights_from_tensor"))
-    # engines/weight_sync.py nccl_engine_join passes these positionally
+    # engines/sglang.py SGLangBackend.join_nccl passes these positionally
     assert _in_order(["master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"],
                      _params(engine, "Engine", "init_weights_update_group"))
     assert _in_order(["names", "dtypes", "shapes"], _params(engine, "Engine", "update_weights_from_distributed"))

@@ -5,8 +5,9 @@ import time
 import pytest
 
 from engines.base import Request, SamplingParams
+from engines.buckets import BucketMessage
 from engines.sglang import Partial, SGLangEngine, sampling_params
-from engines.weight_sync import BucketMessage
+from engines.weight_sync import receive_version
 from tests.gpu_fakes import FakeBackend, FakeChannel
 
 
@@ -49,7 +50,7 @@ def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
     engine.step()  # request 0 has its first chunk and waits
 
     channel = FakeChannel(BucketMessage(1, 0, True, [], [1]))
-    assert engine.sync_weights(channel, engine_index=0) == []
+    assert receive_version(engine, channel, 0) == []
     assert engine.version == 1 and channel.acks == [(0, 1, 0)]
     assert fake.log == ["pause", "begin", "load flush=True", "end", "resume"]
     assert engine.num_waiting() == 1 and engine.num_running() == 0
@@ -58,7 +59,7 @@ def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
     time.sleep(0.01)
     engine.step()
     two_buckets = FakeChannel(BucketMessage(2, 0, False, [], [2]), BucketMessage(2, 1, True, [], [2]))
-    engine.sync_weights(two_buckets, engine_index=0)
+    receive_version(engine, two_buckets, 0)
     assert two_buckets.acks == [(0, 2, 0), (0, 2, 1)] and engine.version == 2
     assert fake.log[-5:] == ["begin", "load flush=False", "load flush=True", "end", "resume"]
     done = _run_until(engine, lambda d: len(d) == 1)[0]
@@ -85,7 +86,7 @@ def test_stop_token_ends_a_request_across_an_interruption():
     for version in (1, 2):  # the stop token comes in the second chunk: the request ends before the next update
         time.sleep(0.005)
         finished += engine.step()
-        finished += engine.sync_weights(FakeChannel(BucketMessage(version, 0, True, [], [version])), 0)
+        finished += receive_version(engine, FakeChannel(BucketMessage(version, 0, True, [], [version])), 0)
     (done,) = finished
     assert done.finish_reason == "stop" and done.token_ids == full.token_ids[:first + 1]
     assert done.versions == [0] * 3 + [1] * (first - 2)

@@ -108,7 +108,7 @@ def test_every_rank_makes_the_same_number_of_passes():
 def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
     """The losses normalise by batch totals, so how the batch is cut into passes does not change the step."""
     import algos
-    from launch.config import RolloutConfig, TrainConfig
+    from launch.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     batch = pack(_groups())
@@ -131,7 +131,7 @@ def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
 @pytest.mark.parametrize("max_bad_steps", [1, 2])
 def test_non_finite_steps_are_skipped_until_max_bad_steps_in_a_row(tiny_model_dir, max_bad_steps):
     import algos
-    from launch.config import RolloutConfig, TrainConfig
+    from launch.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
@@ -146,3 +146,19 @@ def test_non_finite_steps_are_skipped_until_max_bad_steps_in_a_row(tiny_model_di
     with pytest.raises(RuntimeError, match=f"{max_bad_steps} steps in a row had a non-finite loss"):
         learner.step(poisoned, max_bad_steps)
     assert all(torch.equal(p, before[n]) for n, p in learner.policy.named_parameters())  # nothing was applied
+
+
+def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
+    """train.adam_beta2: its schema field and the AdamW line that reads it (the one-knob example of issue 29)."""
+    import algos
+    from launch.config import compose, parse
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                      train=TrainConfig(autocast="none", adam_beta2=0.99),
+                      rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    assert learner.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    assert parse(compose(["train.adam_beta2=0.95"])).train.adam_beta2 == 0.95
+    with pytest.raises(ValueError, match=r"config key 'train.adam_beta2' must be in \(0, 1\) \(got 1.0\)"):
+        parse(compose(["train.adam_beta2=1.0"]))

@@ -8,17 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engines.buckets import WeightChannel, engine_name, engine_weights, plan_buckets, send_buckets, unpack, weight_specs
 from engines.sglang import SGLangEngine
-from engines.weight_sync import (
-    Publisher,
-    WeightChannel,
-    engine_name,
-    engine_weights,
-    plan_buckets,
-    send_buckets,
-    unpack,
-    weight_specs,
-)
+from engines.weight_sync import GPUWeights, Publisher, receive_version
 from launch.plan import free_port
 from tests.gpu_fakes import FakeBackend, bytes_payloads, tiny_lm
 from trainer.gpu_policy import shard_gpu
@@ -100,14 +92,14 @@ def test_publisher_ships_every_bucket_to_every_engine():
     lm = tiny_lm(tied=True)
     expected = {n: t.to(torch.bfloat16) for n, t in engine_weights(lm.state_dict().items(), tied=True)}
     channel = WeightChannel(2, multiprocessing.get_context("spawn"))
-    publisher = Publisher(lm.state_dict().items(), True, channel, [1, 2], lead=True, device="cpu",
-                          bucket_bytes=16384, serialize=bytes_payloads)
+    path = GPUWeights(channel, [1, 2], bytes_payloads, "ipc", bucket_bytes=16384, dtype=torch.bfloat16)
+    publisher = Publisher(path, lm.state_dict().items(), True, lead=True, device="cpu")
     engines = [SGLangEngine(backend=FakeBackend()) for _ in range(2)]
 
     def follow(e):
         deadline = time.time() + 60
         while engines[e].version < 1 and time.time() < deadline:
-            engines[e].sync_weights(channel, e)
+            receive_version(engines[e], channel, e)
             time.sleep(0.001)
 
     threads = [threading.Thread(target=follow, args=(e,)) for e in range(2)]
@@ -133,13 +125,13 @@ def test_publisher_ships_every_bucket_to_every_engine():
 def test_publisher_stops_shipping_once_stop_is_set():
     """A run shutting down mid-publish: rank 0 still walks every weight (the other ranks' gathers must end)
     but sends nothing and waits for no engine."""
-    from buffer.shared import StopFlag
+    from launch.shared import StopFlag
 
     lm = tiny_lm(tied=False)
     channel, stop, walked = WeightChannel(1, multiprocessing.get_context("spawn")), StopFlag(), []
     stop.set()
-    publisher = Publisher(lm.state_dict().items(), False, channel, [1], lead=True, device="cpu", bucket_bytes=8192,
-                          serialize=bytes_payloads, stop=stop)
+    path = GPUWeights(channel, [1], bytes_payloads, "ipc", bucket_bytes=8192, dtype=torch.bfloat16)
+    publisher = Publisher(path, lm.state_dict().items(), False, lead=True, device="cpu", stop=stop)
     publisher.publish(((n, walked.append(n) or t) for n, t in lm.state_dict().items()), version=1)
     assert walked == list(lm.state_dict()) and channel.receive(0) is None
     channel.close()
@@ -147,8 +139,7 @@ def test_publisher_stops_shipping_once_stop_is_set():
 
 def test_sglang_refusals_stop_with_their_message():
     """SGLang answers its control calls with (success, message); begin/end_weight_update are checked too."""
-    from engines.sglang import SGLangBackend
-    from engines.weight_sync import check_sglang
+    from engines.sglang import SGLangBackend, check_sglang
 
     check_sglang((True, "Success"), "begin_weight_update")
     check_sglang(None)  # calls that answer nothing

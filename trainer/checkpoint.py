@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from engines.weight_sync import engine_name
+from engines.buckets import engine_name
 from trainer.lora import is_lora, merged, save_adapter
 
 STATE_FILE = "trainer_state.pt"

@@ -2,13 +2,15 @@
 
     placement = GPUPlacement(gpu=4, checkpointing=True)   # what train.py hands trainer rank 0 of gpu8
     placement.init_process_group(rank, world_size, port)  # init_nccl: this rank on its GPU
-    policy = placement.load(model_path, world_size)       # shard_gpu(VarlenTokenLogprobs(load_lm(...)).cuda())
+    policy = placement.load(model_path, world_size)       # shard_gpu(GPUTokenLogprobs(load_lm(...)).cuda())
 
 The CPU policy (trainer/policy.py) packs a group as one row, its prompt once and its K completions attending
-into it, with a [L, L] mask. flash-attn takes no such mask, so `VarlenTokenLogprobs` lays every completion out
-as its own sequence (prompt + completion), all of them back to back in one row with positions restarting at
-0; Hugging Face then runs flash-attn's variable-length kernel (cu_seqlens from the positions) and, under
-sdpa, a block-causal mask. The prompt is computed K times instead of once: the price of the kernel.
+into it, with a [L, L] mask. `GPUTokenLogprobs` keeps that layout through the forward wherever the attention
+takes a mask (sdpa, eager: what the GPU plan runs without flash-attn installed), so each prompt is computed once
+per group and the attention is one [L, L] square per group. Only flash-attn's variable-length kernel takes no
+such mask: under `flash_attention_2` every completion becomes its own sequence (prompt + completion), all of them
+back to back in one row with positions restarting at 0 (cu_seqlens from the positions), and the prompt is
+computed K times: the price of the kernel.
 """
 import importlib.metadata
 from dataclasses import dataclass
@@ -72,11 +74,11 @@ class GPUPlacement:
             init_gloo(rank, world_size, port)
 
     def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False,
-             adapters=None) -> "VarlenTokenLogprobs":
+             adapters=None) -> "GPUTokenLogprobs":
         """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32 master
         weights and computes in bf16. `adapters`: LoRA on a frozen base (trainer/lora.py; not yet run on a GPU)."""
         lm = load_lm(path)
-        policy = VarlenTokenLogprobs(adapters.apply(lm) if adapters else lm).to(self.device)
+        policy = GPUTokenLogprobs(adapters.apply(lm) if adapters else lm).to(self.device)
         if compile:
             compile_stack(policy)
         if frozen:
@@ -102,11 +104,21 @@ def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_
     return policy
 
 
-class VarlenTokenLogprobs(TokenLogprobs):
-    """TokenLogprobs with the same inputs and outputs, computed over one packed row of separate sequences."""
+VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3")  # attention that takes sequences, not a mask
+
+
+class GPUTokenLogprobs(TokenLogprobs):
+    """TokenLogprobs with the same inputs and outputs: the shared-prompt layout as on the CPU, or, under a
+    variable-length kernel (`varlen`, from the model's attention implementation), one row of separate sequences."""
+
+    def __init__(self, lm: nn.Module, varlen: bool | None = None):
+        super().__init__(lm)
+        self.varlen = getattr(lm.config, "_attn_implementation", None) in VARLEN_KERNELS if varlen is None else varlen
 
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
+        if not self.varlen:
+            return super().forward(input_ids, position_ids, segments, gather, targets, temperature, entropy)
         order, picks = varlen_layout(segments, gather, targets.shape[0] // segments.shape[0])
         order, picks = order.to(input_ids.device), picks.to(input_ids.device)
         ids = input_ids.reshape(-1)[order][None]  # [1, N]

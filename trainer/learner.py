@@ -14,7 +14,7 @@ from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
 from trainer.policy import CPUPlacement, Placement, full_state
 
 if TYPE_CHECKING:
-    from launch.config import RolloutConfig, TrainConfig
+    from launch.schema import RolloutConfig, TrainConfig
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -55,10 +55,10 @@ class Learner:
             self.reference = BasePolicy(self.policy)
         # fused: one kernel per parameter instead of a dozen elementwise passes (0.17 s vs 0.68 s a step here)
         self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=train.lr,
-                                           weight_decay=train.weight_decay, fused=True)
+                                           betas=(0.9, train.adam_beta2), weight_decay=train.weight_decay, fused=True)
         self.skipped = 0
         self.bad_in_row = 0
-        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (buffer/heartbeat.py)
+        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
 
     def _adapters(self, init_path: str) -> Adapters:
         """train.lora with its base dtype settled: auto is bfloat16 where the trainer computes in bf16."""

@@ -2,24 +2,26 @@
 import os
 import time
 from contextlib import ExitStack, closing, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import algos
-from buffer.cores import Threads, step_runs_alone
 from buffer.replay import ReplayBuffer
-from buffer.shared import SANDBOX_KILLS, Shared
 from buffer.staleness import lag, too_old
+from launch.cores import Threads, step_runs_alone
+from launch.shared import SANDBOX_KILLS, Shared
 from trainer.batch import pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
 
 if TYPE_CHECKING:
-    from evaluate import EvalSpec, Evaluator
-    from launch.config import BufferConfig, CheckpointConfig, EvalConfig, RolloutConfig, TrainConfig
+    from evaluate import Evaluator
+    from launch.schema import Config
+    from launch.setup import RunSetup
 
 WORKER_COUNTERS = ("restarts", "lost_groups", "prompts_truncated", "prompts_skipped")  # logged as rollout/<name>
 
@@ -28,19 +30,27 @@ class Stopped(Exception):
     """The launcher asked everyone to stop."""
 
 
-def run(*, rank: Rank, shared: Shared, model_path: str, run_dir: str, seed: int, steps: int, max_staleness: int,
-        workers: int, train: "TrainConfig", rollout: "RolloutConfig", buffer: "BufferConfig", algo, task,
-        eval: "EvalConfig", eval_spec: "EvalSpec", evaluator: "Evaluator", checkpoint: "CheckpointConfig",
-        progress: bool, logger: str, config: dict, init_path: str = "", start_step: int = 0) -> None:
-    """One trainer rank. `algo`, `task`: the rule's and the task's Config; `workers`: rollout workers (group ids
-    interleave them); `config`: the resolved run config, for the metrics logger; init_path and start_step: the
-    checkpoint a resumed run continues from, and its step."""
-    torch.manual_seed(seed + rank.rank)
+@dataclass(frozen=True)
+class TrainerArgs:
+    """One trainer rank process's arguments: built by the launcher (train.py), picklable, passed whole."""
+    rank: Rank  # this rank, the world size, the rendezvous port and where it runs (its Placement)
+    workers: int  # the plan's rollout workers: group ids interleave them
+    cfg: "Config"  # the run's typed config (launch/schema.py)
+    setup: "RunSetup"  # what the launcher settled: the model's folder, the run folder, a resumed checkpoint, ...
+    evaluator: "Evaluator"  # how rank 0 evaluates the version it just published (the plan's)
+    shared: Shared
+    progress: bool = False  # this rank draws the console's progress bar
+
+
+def run(args: TrainerArgs) -> None:
+    """One trainer rank: rank 0 feeds, logs, evaluates and checkpoints; every rank trains and publishes."""
+    cfg, setup, rank, shared = args.cfg, args.setup, args.rank, args.shared
+    torch.manual_seed(cfg.seed + rank.rank)
     rank.placement.init_process_group(rank.rank, rank.world_size, rank.port)
     lead = rank.rank == 0
     try:
-        learner = Learner(rank=rank, model_path=model_path, init_path=init_path, train=train, algo=algo,
-                          rollout=rollout)
+        learner = Learner(rank=rank, model_path=setup.model_path, init_path=setup.resume_path, train=cfg.train,
+                          algo=cfg.algo, rollout=cfg.rollout)
         # Now, not at the first publish: NCCL weight sync joins its process group here, and the engines wait on it.
         publish = shared.weights.publisher(learner.policy, lead, shared.stop)
         with ExitStack() as stack:
@@ -48,46 +58,46 @@ def run(*, rank: Rank, shared: Shared, model_path: str, run_dir: str, seed: int,
             if lead:
                 import tasks
 
-                data = tasks.get(task.name).build(task, seed)
-                evaluate = stack.enter_context(evaluator.open(model_path, shared.weights, data, eval_spec))
-            replay = ReplayBuffer.from_config(buffer, _sampler(buffer.sampler, algo.name), seed)
-            log = stack.enter_context(_logger(lead, run_dir, logger, steps, progress, config, start_step))
-            _Loop(learner, publish, replay, shared, evaluate, log, rank=rank.rank, model_path=model_path,
-                  run_dir=run_dir, steps=steps, max_staleness=max_staleness, batch_groups=train.batch_groups,
-                  workers=workers, eval_every=eval.every, checkpoint=checkpoint, init_path=init_path,
-                  start_step=start_step).run()
+                data = tasks.get(cfg.task.name).build(cfg.task, cfg.seed)
+                evaluate = stack.enter_context(args.evaluator.open(setup.model_path, shared.weights, data,
+                                                                   setup.eval_spec))
+            replay = ReplayBuffer.from_config(cfg.buffer, _sampler(cfg.buffer.sampler, cfg.algo.name), cfg.seed)
+            log = stack.enter_context(_logger(lead, args, setup.resume_step))
+            _Loop(learner, publish, replay, evaluate, log, args).run()
     except Stopped:
         pass
     finally:
         dist.destroy_process_group()
 
 
-def _logger(lead: bool, run_dir: str, backend: str, steps: int, progress: bool, config: dict, start_step: int):
+def _logger(lead: bool, args: TrainerArgs, start_step: int):
     """Rank 0's metrics logger, closed on the way out (a resumed run first drops rows past its checkpoint)."""
     if not lead:
         return nullcontext(None)
+    run_dir = args.setup.run_dir
     truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
-    return closing(MetricsLogger(run_dir, backend, steps, progress, config, start_step))
+    return closing(MetricsLogger(run_dir, args.cfg.logger, args.cfg.steps, args.progress, args.setup.config,
+                                 start_step))
 
 
 class _Loop:
     """The optimizer steps of one rank, from `start_step` to `steps`; rank 0 also feeds, logs and evaluates."""
 
-    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, shared: Shared, evaluate, log, *, rank: int,
-                 model_path: str, run_dir: str, steps: int, max_staleness: int, batch_groups: int, workers: int,
-                 eval_every: int, checkpoint: "CheckpointConfig", init_path: str, start_step: int):
-        self.learner, self.publish, self.replay, self.shared = learner, publish, replay, shared
+    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, evaluate, log, args: TrainerArgs):
+        cfg, setup = args.cfg, args.setup
+        self.learner, self.publish, self.replay, self.shared = learner, publish, replay, args.shared
         self.evaluate, self.log = evaluate, log
-        self.lead, self.model_path, self.run_dir, self.steps = rank == 0, model_path, run_dir, steps
-        self.heart = shared.heart(f"trainer-{rank}")
-        self.max_staleness, self.batch_groups, self.workers = max_staleness, batch_groups, workers
-        self.eval_every, self.checkpoint_cfg, self.start_step = eval_every, checkpoint, start_step
+        self.lead, self.steps = args.rank.rank == 0, cfg.steps
+        self.model_path, self.run_dir = setup.model_path, setup.run_dir
+        self.heart = args.shared.heart(f"trainer-{args.rank.rank}")
+        self.max_staleness, self.batch_groups, self.workers = cfg.max_staleness, cfg.train.batch_groups, args.workers
+        self.eval_every, self.checkpoint_cfg, self.start_step = cfg.eval.every, cfg.checkpoint, setup.resume_step
         # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
         self.next_group: dict[int, int] = {}
         elapsed = 0.0
-        if start_step:
-            elapsed = self._restore(init_path)
-        self.saved = start_step  # the newest checkpoint's step
+        if self.start_step:
+            elapsed = self._restore(setup.resume_path)
+        self.saved = self.start_step  # the newest checkpoint's step
         self.threads = Threads()
         self.start = time.time() - elapsed
 
@@ -183,7 +193,7 @@ class _Loop:
             time.sleep(0.01)
 
     def _step_threads(self) -> int:
-        """Rank 0, the batch in hand: each rank's thread count for this step (buffer/cores.py)."""
+        """Rank 0, the batch in hand: each rank's thread count for this step (launch/cores.py)."""
         shared = self.shared
         if shared.cores is None:
             return torch.get_num_threads()

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from engines.weight_sync import engine_name
+from engines.buckets import engine_name
 from trainer.batch import PAD
 from trainer.lora import Adapters, merged
 
@@ -32,8 +32,10 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask,
-                                    position_ids=position_ids).last_hidden_state
+        # use_cache=False: no KV cache to fill (and, under activation checkpointing, none that the recomputed
+        # forward would append to a second time)
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
         return self.head(picked.flatten(0, 1), targets, temperature, entropy)
 

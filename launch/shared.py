@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from buffer.cores import Cores
-from buffer.heartbeat import Heartbeats, NoHeart
 from buffer.ring import TrajectoryRing
 from buffer.staleness import StalenessGate
+from launch.cores import Cores
+from launch.heartbeat import Heartbeats, NoHeart
 
 
 class StopFlag:
@@ -140,7 +140,7 @@ class Shared:
     hearts: Heartbeats | None = None  # each process's last progress and phase (None: nobody watches)
 
     def heart(self, name: str):
-        """`name`'s heartbeat (buffer/heartbeat.py), or one that goes nowhere when nobody watches."""
+        """`name`'s heartbeat (launch/heartbeat.py), or one that goes nowhere when nobody watches."""
         return self.hearts.of(name) if self.hearts is not None else NoHeart()
 
     def rollouts_over(self) -> bool:

@@ -1,0 +1,270 @@
+"""The run configuration's schema: one typed dataclass per section, every key with its default and comment.
+
+This file is the only place a default is stated: constructors elsewhere take values. Each section's `check`
+refuses an out-of-range value in one line naming the key (registry.require); `Config.check` adds the checks
+that span sections. How Hydra composes and parses these: launch/config.py.
+"""
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import MISSING
+
+from registry import require
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2-135m"  # embedded model name, a local Hugging Face folder, or a hub id
+    # options of the model's chat template, passed to apply_chat_template for every prompt (rollouts and
+    # evaluation alike), e.g. +model.chat_template.enable_thinking=false for Qwen3
+    chat_template: dict[str, Any] = field(default_factory=dict)
+
+    def check(self):
+        require(bool(self.path), "model.path", "must name a model", self.path)
+
+
+@dataclass
+class ClusterConfig:
+    plan: str = "auto"  # auto | cpu | gpu: where generation and training run (auto: gpu when torch sees CUDA)
+    rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
+    trainer_ranks: int = 1  # FSDP2 training processes (CPU plan; on the GPU plan, one per training GPU)
+    # torch threads per process. 0 (auto): on the CPU plan the cores go to the side that is working, changed at
+    # step boundaries from the run's state (launch/cores.py); 1 on the GPU plan. N: every process N, always
+    threads_per_process: int = 0
+    max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops (CPU plan)
+    hang_timeout_s: float = 300.0  # a process that makes no progress this long is stuck: named, dumped, killed
+    slow_timeout_s: float = 1800.0  # the same in phases that are legitimately long: evaluation, a checkpoint,
+    # the first training step (it may compile); launch/heartbeat.py SLOW_PHASES
+    start_timeout_s: float = 1800.0  # the same for a process's start-up (imports, loading its model)
+    oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
+    # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):
+    gen_gpus: int = 0  # GPUs running SGLang engines (0: half, in whole tensor-parallel groups)
+    train_gpus: int = 0  # GPUs running FSDP2 ranks (0: the rest)
+    tp_size: int = 1  # GPUs per SGLang engine (0: the smallest that fits the model)
+    mem_fraction_static: float = 0.0  # SGLang's share of a generation GPU: bf16 weights + KV cache (0: the layout's)
+    weight_sync: str = "ipc"  # ipc (CUDA IPC handles, GPUs with peer access) | nccl (broadcast from trainer rank 0)
+    bucket_mb: int = 512  # weight-sync bucket: extra GPU memory on trainer rank 0, and the unit of transfer
+    # cuda | cpu: where the GPU plan's processes compute. cpu runs the one-GPU plan's own classes (the built-in
+    # engine, FSDP2 on gloo, weight buckets through shared memory) on the CPU: the GPU path tried without a GPU
+    device: str = "cuda"
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+
+    def check(self):
+        require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
+        require(self.rollout_workers >= 1, "cluster.rollout_workers", "must be >= 1", self.rollout_workers)
+        require(self.trainer_ranks >= 1, "cluster.trainer_ranks", "must be >= 1", self.trainer_ranks)
+        require(self.threads_per_process >= 0, "cluster.threads_per_process", "must be >= 0 (0: auto)",
+                self.threads_per_process)
+        require(self.max_restarts >= 0, "cluster.max_restarts", "must be >= 0", self.max_restarts)
+        require(self.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be > 0", self.hang_timeout_s)
+        for key in ("slow_timeout_s", "start_timeout_s"):
+            require(getattr(self, key) >= self.hang_timeout_s, f"cluster.{key}",
+                    f"must be >= cluster.hang_timeout_s={self.hang_timeout_s}", getattr(self, key))
+        require(self.gen_gpus >= 0 and self.train_gpus >= 0 and self.tp_size >= 0, "cluster.gen_gpus",
+                "cluster.train_gpus and cluster.tp_size must be >= 0", (self.gen_gpus, self.train_gpus, self.tp_size))
+        require(0 <= self.mem_fraction_static < 1, "cluster.mem_fraction_static", "must be in [0, 1)",
+                self.mem_fraction_static)
+        require(self.weight_sync in ("ipc", "nccl"), "cluster.weight_sync", "must be ipc or nccl", self.weight_sync)
+        require(self.bucket_mb >= 1, "cluster.bucket_mb", "must be >= 1", self.bucket_mb)
+        require(self.device in ("cuda", "cpu"), "cluster.device", "must be cuda or cpu", self.device)
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8  # K completions sampled per prompt
+    temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
+    top_p: float = 1.0  # nucleus sampling threshold
+    max_new_tokens: int = 16  # completion budget per sample (a task's preset may raise it: gsm8k 512)
+    max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
+    max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
+    long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
+    # auto | bfloat16 | float32: the engine's weights and matmuls. auto: bfloat16 where the device computes it
+    # natively (a CUDA GPU, a CPU with AVX-512), float32 elsewhere (bf16 there is ~100x slower than fp32)
+    dtype: str = "auto"
+    # auto | builtin | sglang (engines.ENGINES): the generation engine. auto: SGLang on the GPU plan when it is
+    # installed, else the built-in engine (engines/builtin.py, the CPU plan's, on CUDA); sglang needs the GPU plan
+    engine: str = "auto"
+
+    def check(self):
+        require(self.group_size >= 2, "rollout.group_size", "must be >= 2", self.group_size)
+        require(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
+        require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", self.max_new_tokens)
+        require(self.max_batch >= self.group_size, "rollout.max_batch", "must be >= rollout.group_size",
+                self.max_batch)
+        require(self.dtype in ("auto", "bfloat16", "float32"), "rollout.dtype", "must be auto, bfloat16 or float32",
+                self.dtype)
+        require(self.max_prompt_len >= 0, "rollout.max_prompt_len", "must be >= 0 (0: no limit)", self.max_prompt_len)
+        require(self.long_prompts in ("skip", "truncate"), "rollout.long_prompts", "must be skip or truncate",
+                self.long_prompts)
+        from engines import ENGINES
+
+        require(self.engine == "auto" or self.engine in ENGINES.names(), "rollout.engine",
+                f"must be auto or one of {', '.join(ENGINES.names())}", self.engine)
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # LoRA adapters of this rank on a frozen base, trained instead of every weight (0: off)
+    alpha: float = 32.0  # the adapters' scale is alpha / rank
+    # peft's target_modules: [all-linear] (every linear layer but the output head), or names: [q_proj,v_proj]
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # auto | bfloat16 | float32: how the frozen base is held. auto: bfloat16 where the trainer computes in bf16
+    # (train.autocast=bfloat16, the GPU plan), else float32
+    base_dtype: str = "auto"
+
+    def check(self):
+        require(self.rank >= 0, "train.lora.rank", "must be >= 0", self.rank)
+        require(self.alpha > 0, "train.lora.alpha", "must be > 0", self.alpha)
+        require(bool(self.target_modules), "train.lora.target_modules", "must name modules, or [all-linear]",
+                self.target_modules)
+        require(self.base_dtype in ("auto", "bfloat16", "float32"), "train.lora.base_dtype",
+                "must be auto, bfloat16 or float32", self.base_dtype)
+
+
+@dataclass
+class TrainConfig:
+    batch_groups: int = 4  # B: prompts (groups of K) per optimizer step (4: fastest to reward, bench/time_to_reward.py)
+    # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
+    # version advances, once per batch (so max_staleness still counts batches)
+    minibatches: int = 1
+    micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
+    micro_tokens: int = 4096  # padded tokens per pass, at most: long completions go a few groups at a time (0: off)
+    lr: float = 2e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta2: float = 0.999  # AdamW's second-moment decay (RL recipes often take 0.99 for noisier gradients)
+    grad_clip: float = 1.0  # max global gradient norm
+    max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
+    # auto | bfloat16 | none: mixed precision of the forward/backward on the CPU (weights stay fp32). auto: as
+    # rollout.dtype's auto
+    autocast: str = "auto"
+    # torch.compile the decoder stack: about 1.5x faster bf16 steps on the CPU after a compile of one to three
+    # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
+    compile: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train.lora.rank > 0: LoRA instead of full fine-tuning
+
+    def check(self):
+        self.lora.check()
+        require(self.lora.base_dtype != "bfloat16" or self.autocast != "none", "train.lora.base_dtype",
+                "bfloat16 needs train.autocast=bfloat16 on the CPU (or base_dtype=float32)", self.lora.base_dtype)
+        require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)
+        require(self.minibatches >= 1, "train.minibatches", "must be >= 1", self.minibatches)
+        require(self.batch_groups % self.minibatches == 0, "train.minibatches",
+                f"must divide train.batch_groups={self.batch_groups}", self.minibatches)
+        require(self.micro_groups >= 1, "train.micro_groups", "must be >= 1", self.micro_groups)
+        require(self.micro_tokens >= 0, "train.micro_tokens", "must be >= 0", self.micro_tokens)
+        require(self.lr > 0, "train.lr", "must be > 0", self.lr)
+        require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        require(0 < self.adam_beta2 < 1, "train.adam_beta2", "must be in (0, 1)", self.adam_beta2)
+        require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)
+        require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", self.max_bad_steps)
+        require(self.autocast in ("auto", "bfloat16", "none"), "train.autocast", "must be auto, bfloat16 or none",
+                self.autocast)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # evaluate on the test split every N steps, and always at the end (0: only at the end)
+    k: int = 4  # samples per prompt for pass@k (greedy pass@1 is always reported)
+    temperature: float = 1.0  # sampling temperature of the pass@k samples
+    max_examples: int = 0  # evaluate on the first N test examples (0: all)
+    only: bool = False  # evaluate model.path on the test split and stop, no training
+
+    def check(self):
+        require(self.every >= 0, "eval.every", "must be >= 0", self.every)
+        require(self.k >= 1, "eval.k", "must be >= 1", self.k)
+        require(self.temperature > 0, "eval.temperature", "must be > 0", self.temperature)
+        require(self.max_examples >= 0, "eval.max_examples", "must be >= 0", self.max_examples)
+
+
+@dataclass
+class RewardConfig:
+    workers: int = 1  # verifier processes per rollout worker (0: score in the rollout process, no timeout)
+    timeout_s: float = 5.0  # a verifier slower than this is killed; the completion scores 0 (reward/timeouts)
+
+    def check(self):
+        require(self.workers >= 0, "reward.workers", "must be >= 0", self.workers)
+        require(self.timeout_s > 0, "reward.timeout_s", "must be > 0", self.timeout_s)
+
+
+@dataclass
+class BufferConfig:
+    sampler: str = "auto"  # auto (the loss's own choice: tba for tb, fifo otherwise) | fifo | tba
+    recent_prob: float = 0.95  # tba: chance that a group is the newest data rather than a replay (TBA's GSM8K value)
+    inv_temp: float = 1.0  # tba: replay draws completions with probability ~ exp(inv_temp * reward)
+    per_prompt_capacity: int = 64  # tba: newest completions kept per prompt
+
+    def check(self):
+        require(self.sampler in ("auto", "fifo", "tba"), "buffer.sampler", "must be auto, fifo or tba", self.sampler)
+        require(0 <= self.recent_prob <= 1, "buffer.recent_prob", "must be in [0, 1]", self.recent_prob)
+        require(self.inv_temp >= 0, "buffer.inv_temp", "must be >= 0", self.inv_temp)
+        require(self.per_prompt_capacity >= 1, "buffer.per_prompt_capacity", "must be >= 1",
+                self.per_prompt_capacity)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # also save every N steps (0: only at the end)
+    keep: int = 0  # newest checkpoints kept on disk (0: all)
+    at_end: bool = True  # save the last step's (false: a sweep that needs only metrics; a 135M model's is 1.6 GB)
+
+    def check(self):
+        require(self.every >= 0, "checkpoint.every", "must be >= 0", self.every)
+        require(self.keep >= 0, "checkpoint.keep", "must be >= 0", self.keep)
+
+
+@dataclass
+class Config:
+    steps: int = 30  # optimizer steps to run
+    seed: int = 0  # fixes data order, sampling and initialisation
+    # eta: how many versions older than the learner the data may be (0 = synchronous). 0: on shared CPU cores the
+    # fastest to reward (bench/time_to_reward.py); asynchrony pays where generation and training do not share them
+    max_staleness: int = 0
+    progress: bool = True  # progress bar on stderr (plain lines when stderr is not a terminal)
+    logger: str = "none"  # none | tensorboard | wandb (W&B: $WANDB_MODE, else online if logged in, else offline)
+    resume: str = ""  # a run directory: continue it in place from its latest checkpoint
+    # The sections, in the order a run's config.yaml lists them:
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    algo: Any = MISSING  # the learning rule's Config (algos/<name>.py), chosen by algo=<name>
+    task: Any = MISSING  # the task's Config (tasks/<name>.py), chosen by task=<name>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def check(self):
+        require(self.steps >= 1, "steps", "must be >= 1", self.steps)
+        require(self.max_staleness >= 0, "max_staleness", "must be >= 0", self.max_staleness)
+        require(self.logger in ("none", "tensorboard", "wandb"), "logger", "must be none, tensorboard or wandb",
+                self.logger)
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "check"):
+                section.check()
+        require(self.buffer.sampler != "tba" or self.buffer.per_prompt_capacity >= self.rollout.group_size,
+                "buffer.per_prompt_capacity", f"must be >= rollout.group_size={self.rollout.group_size}",
+                self.buffer.per_prompt_capacity)
+        c = self.cluster
+        threads = (c.rollout_workers + c.trainer_ranks) * c.threads_per_process
+        cores = len(os.sched_getaffinity(0))
+        # Thread pools bigger than the cores left to them spin against each other (docs/benchmarks.md, "Which
+        # allocation of cores wins"); one thread per process only takes turns, and auto (0) never gives a process
+        # more than its share when the sides overlap: the default runs on one core too.
+        require(c.plan == "gpu" or c.oversubscribe or c.threads_per_process <= 1 or threads <= cores,
+                "cluster.rollout_workers",
+                f"+ cluster.trainer_ranks, times cluster.threads_per_process, must fit the {cores} cores here "
+                "(or set cluster.oversubscribe=true)",
+                f"{c.rollout_workers} + {c.trainer_ranks} x {c.threads_per_process}")
+        need = getattr(self.task, "min_reward_timeout_s", 0.0)  # task=code: the sandbox must end a program first
+        if self.reward.timeout_s < need:
+            require(False, "reward.timeout_s", f"must be >= {need:g} for task={self.task.name} (task."
+                    "program_timeout_s + 2 s: the sandbox ends a slow program itself and counts why)",
+                     self.reward.timeout_s)
+        t, ranks = self.train, self.cluster.trainer_ranks
+        require(t.batch_groups % (t.minibatches * ranks) == 0, "train.batch_groups",
+                f"must be divisible by cluster.trainer_ranks={ranks}"
+                + (f" times train.minibatches={t.minibatches}" if t.minibatches > 1 else ""), t.batch_groups)
