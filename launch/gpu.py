@@ -19,7 +19,7 @@ from launch.plan import free_port
 
 
 def gpu_plan(cluster, rollout, minibatch_groups: int, meta_model, num_gpus: int, gpu_bytes: int,
-             engine: str = "sglang") -> "GPUPlan":
+             engine: str) -> "GPUPlan":
     """The layout for these GPUs and this model; a one-line ValueError for what cannot work. `rollout`: the
     config's rollout section (its dtype is the engines'); `minibatch_groups`: the groups of one optimizer step
     (train.batch_groups / train.minibatches); `engine`: builtin or sglang (launch.plan.engine_kind)."""

@@ -100,7 +100,7 @@ def test_gpu_plan_places_engines_and_ranks():
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
                     RolloutConfig(dtype="bfloat16"), minibatch_groups=8, meta_model=_meta_lm(), num_gpus=8,
-                    gpu_bytes=80 << 30)
+                    gpu_bytes=80 << 30, engine="sglang")
     assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
     engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
     assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]

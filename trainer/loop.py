@@ -13,7 +13,7 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import lag, too_old
 from launch.cores import Threads, step_runs_alone
 from launch.shared import SANDBOX_KILLS, Shared
-from trainer.batch import pack
+from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
@@ -100,79 +100,94 @@ class _Loop:
         self.saved = self.start_step  # the newest checkpoint's step
         self.threads = Threads()
         self.start = time.time() - elapsed
+        self.last_row = (self.start, 0)  # rank 0: (time, tokens generated so far) at the last row
 
     def run(self) -> None:
-        shared = self.shared
-        last_time, last_tokens = self.start, 0
+        """One step, version v to v + 1: the data, the learner's step, the weights out, rank 0's row, a checkpoint
+        (docs/design.md, "One step of the learner")."""
         for step in range(self.start_step + 1, self.steps + 1):
-            version = step - 1
-            payload = None  # stays None on rank 0 when the launcher asks to stop: every rank then checkpoints
-            if self.lead:
-                t0 = time.time()
-                try:
-                    if shared.cores is not None:
-                        shared.cores.trainer_waiting()
-                    fresh, dropped = self._take_fresh(version)
-                    wait_time = time.time() - t0
-                    batch = pack(self.replay.sample(self.batch_groups, version))
-                    # reward and staleness describe the fresh data (the current policy's); replay has its own
-                    info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
-                            "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
-                            **self.replay.stats(), **_staleness(fresh, version)}
-                    payload = (batch, info, self._step_threads())
-                except Stopped:
-                    pass
-                self.heart.post_step(step)
-            else:
-                self._wait_for_rank0(step)
-            self.heart.beat("collective")
-            payload = _broadcast(payload)
-            if payload is None:
-                if version > self.saved:  # Ctrl-C / SIGTERM: keep what was learned since the last checkpoint
-                    self.save(version)
-                raise Stopped
-            batch, info, threads = payload
-            self.threads.set(threads)
+            batch, info, perf = self._next_batch(step)
+            self.threads.set(perf["perf/train_threads"])
             phase = "first_step" if step == self.start_step + 1 else "train_step"  # the first may compile
             self.learner.beat = lambda: self.heart.beat(phase)
             t0 = time.time()
             metrics = self.learner.step(batch, step)
-            train_time = time.time() - t0
+            perf["perf/train_step_s"] = time.time() - t0
             self.heart.beat("publish")
             t0 = time.time()
             self.learner.publish(self.publish, step)
-            publish_time = time.time() - t0
-            if shared.cores is not None:
-                self.threads.set(shared.cores.trainer_after_step())
+            perf["perf/publish_s"] = time.time() - t0
+            if self.shared.cores is not None:
+                self.threads.set(self.shared.cores.trainer_after_step())
             if self.lead:  # the row before the checkpoint: a run resumed from step N has every row up to N
-                results = {}
-                evaluating = step == self.steps or (self.eval_every and step % self.eval_every == 0)
-                # Synchronous: evaluate before generation may start, on every core; asynchronous: beside it.
-                if evaluating and self.max_staleness == 0:
-                    results = self._evaluate(step)
-                shared.gate.set_version(step)  # after publishing: new groups must start on the new weights
-                if evaluating and self.max_staleness > 0:
-                    results = self._evaluate(step)
-                # After the last step the workers stop and none is restarted; the row counts every restart.
-                counts = shared.finish.set(lambda: _counts(shared)) if step == self.steps else _counts(shared)
-                now, tokens = time.time(), counts.pop("tokens")
-                self.log.log({
-                    "step": step, "time_s": round(now - self.start, 3),
-                    "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
-                    "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
-                    "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
-                    "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
-                    "reward/batch_mean": batch.rewards.mean().item(),
-                    "perf/train_step_s": train_time, "perf/wait_s": wait_time, "perf/train_threads": threads,
-                    "perf/publish_s": publish_time, **_peak_memory(self.learner.device),
-                    "perf/completion_len": batch.mask.sum(1).mean().item(),
-                    **counts, **info, **metrics, **results,
-                })
-                last_tokens, last_time = tokens, now
+                self._end_step(step, batch, info, metrics, perf)
             every, at_end = self.checkpoint_cfg.every, self.checkpoint_cfg.at_end
             if (step == self.steps and at_end) or (every and step % every == 0):
                 self.save(step)
         self.heart.beat("done")
+
+    def _next_batch(self, step: int) -> tuple[Batch, dict, dict]:
+        """Every rank's batch for `step`, with rank 0's description of its data and the step's perf figures so
+        far. Rank 0 waits for fresh groups, drops those too old, samples the replay buffer and packs; the others
+        wait for its word. When the launcher asks to stop, every rank checkpoints what it learned since the last
+        checkpoint and raises Stopped."""
+        version = step - 1
+        payload = None  # stays None on rank 0 when the launcher asks to stop: every rank then checkpoints
+        if self.lead:
+            t0 = time.time()
+            try:
+                if self.shared.cores is not None:
+                    self.shared.cores.trainer_waiting()
+                fresh, dropped = self._take_fresh(version)
+                wait_time = time.time() - t0
+                batch = pack(self.replay.sample(self.batch_groups, version))
+                # reward and staleness describe the fresh data (the current policy's); replay has its own
+                info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
+                        "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
+                        **self.replay.stats(), **_staleness(fresh, version)}
+                payload = (batch, info, {"perf/wait_s": wait_time, "perf/train_threads": self._step_threads()})
+            except Stopped:
+                pass
+            self.heart.post_step(step)
+        else:
+            self._wait_for_rank0(step)
+        self.heart.beat("collective")
+        payload = _broadcast(payload)
+        if payload is None:
+            if version > self.saved:  # Ctrl-C / SIGTERM: keep what was learned since the last checkpoint
+                self.save(version)
+            raise Stopped
+        return payload
+
+    def _end_step(self, step: int, batch: Batch, info: dict, metrics: dict, perf: dict) -> None:
+        """Rank 0, the new weights published: evaluate when due, open the gate to version `step`, log the row."""
+        results = {}
+        evaluating = step == self.steps or (self.eval_every and step % self.eval_every == 0)
+        # Synchronous: evaluate before generation may start, on every core; asynchronous: beside it.
+        if evaluating and self.max_staleness == 0:
+            results = self._evaluate(step)
+        self.shared.gate.set_version(step)  # after publishing: new groups must start on the new weights
+        if evaluating and self.max_staleness > 0:
+            results = self._evaluate(step)
+        # After the last step the workers stop and none is restarted; the row counts every restart.
+        shared = self.shared
+        counts = shared.finish.set(lambda: _counts(shared)) if step == self.steps else _counts(shared)
+        now, tokens = time.time(), counts.pop("tokens")
+        last_time, last_tokens = self.last_row
+        train_time = perf["perf/train_step_s"]
+        self.log.log({
+            "step": step, "time_s": round(now - self.start, 3),
+            "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
+            "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
+            "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
+            "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
+            "reward/batch_mean": batch.rewards.mean().item(),
+            "perf/train_step_s": train_time, "perf/wait_s": perf["perf/wait_s"],
+            "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
+            **_peak_memory(self.learner.device), "perf/completion_len": batch.mask.sum(1).mean().item(),
+            **counts, **info, **metrics, **results,
+        })
+        self.last_row = (now, tokens)
 
     def _evaluate(self, step: int) -> dict:
         self.heart.beat("evaluate")
