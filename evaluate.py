@@ -18,7 +18,7 @@ from rewards.pool import RewardPool
 
 if TYPE_CHECKING:
     from engines.base import EngineSpec
-    from launch.schema import EvalConfig, RewardConfig
+    from launch.schema import EnvConfig, EvalConfig, RewardConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class EvalSpec:
     seed: int
     dtype: str = "float32"  # a CPU evaluation engine's weights, as in rollout.dtype
     chat_template: tuple = ()  # model.chat_template as (key, value) pairs (a frozen dataclass holds no dict)
+    env: "EnvConfig | None" = None  # a multi-turn task's limits: its test examples are evaluated as episodes
 
 
 @runtime_checkable
@@ -56,7 +57,7 @@ def test_examples(task, spec: EvalSpec) -> list:
 
 def longest_request(task, tokenizer, spec: EvalSpec) -> int:
     """Prompt + completion tokens of the longest evaluation request: a built-in engine's max_len."""
-    prompts = (len(tasks.prompt_ids(tokenizer, ex.question)) for ex in test_examples(task, spec))
+    prompts = (len(tasks.first_prompt_ids(tokenizer, task, ex)) for ex in test_examples(task, spec))
     return max(prompts, default=0) + spec.max_new_tokens
 
 
@@ -95,6 +96,8 @@ def eval_metrics(scores: dict[int, list[float]]) -> dict:
 
 def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
     """The whole test split (up to max_examples) on one engine (any engines.base.Engine)."""
+    if task.env is not None:
+        return evaluate_episodes(engine, tokenizer, task, spec)
     examples = test_examples(task, spec)
     shard = EvalShard(0, range(len(examples)), examples, tokenizer, spec)
     for completion in engine.generate(shard.requests):
@@ -102,6 +105,39 @@ def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
     with RewardPool(task.reward, spec.reward.workers, spec.reward.timeout_s, task.reward_options) as pool:
         shard.score(tokenizer, pool)
         return eval_metrics(shard.scores())
+
+
+def evaluate_episodes(engine, tokenizer, task, spec: EvalSpec) -> dict:
+    """A multi-turn task's test split: per example one greedy episode and `k` sampled ones, scored by the rewards
+    their environments give (envs/episode.py drives them as a rollout worker does)."""
+    from envs.episode import Turns
+
+    k, budget = spec.eval.k, spec.max_new_tokens
+    greedy = Turns(engine, tokenizer, task, spec.env, SamplingParams(0.0, 1.0, budget, spec.stop_ids), budget,
+                   spec.seed)
+    sampled = Turns(engine, tokenizer, task, spec.env,
+                    SamplingParams(spec.eval.temperature, 1.0, budget, spec.stop_ids), budget, spec.seed)
+    examples = test_examples(task, spec)
+    scores = {i: [0.0] * (k + 1) for i in range(len(examples))}
+    try:
+        for i, example in enumerate(examples):
+            ids, messages = greedy.prompt(example)
+            for m in range(k + 1):
+                (sampled if m else greedy).start(i * (k + 1) + m, ids, messages, example)
+        while greedy.episodes or sampled.episodes:
+            ended = greedy.poll() + sampled.poll()
+            for done in engine.step():
+                episode = (greedy if greedy.owns(done) else sampled).completed(done)
+                ended += [episode] if episode is not None else []
+            for episode in ended:
+                i, m = divmod(episode.key, k + 1)
+                scores[i][m] = episode.reward
+            if not engine.num_running() + engine.num_waiting():
+                time.sleep(0.002)  # every episode waits for its environment
+    finally:
+        greedy.close()
+        sampled.close()
+    return eval_metrics(scores)
 
 
 @dataclass(frozen=True)
@@ -175,9 +211,16 @@ class EvalChannel:
 
     @contextmanager
     def open(self, model_path: str, weights, task, spec: EvalSpec):
+        if task.env is not None:
+            print("note: the GPU plan does not evaluate multi-turn tasks yet; the episode/ metrics of the rollouts "
+                  "show their progress", flush=True)
+            yield lambda version, stop=None: {}
+            return
         yield self  # the engines already hold each version once it is published
 
-    def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> "EngineEvaluation":
+    def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> "EngineEvaluation | None":
+        if task.env is not None:
+            return None  # not yet for multi-turn tasks: open() says so
         return EngineEvaluation(self, worker, task, tokenizer, spec, pool)
 
     # rank 0

@@ -10,6 +10,7 @@ import itertools
 import random
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,8 @@ import torch
 
 import tasks
 from buffer.ring import Group
-from engines.base import Completion, Request, SamplingParams
+from engines.base import Completion, SamplingParams
+from envs.episode import Episode, Turns
 from launch.cores import Threads
 from launch.shared import SANDBOX_KILLS, Shared
 from rewards.pool import RewardPool, ScoreHandle
@@ -47,12 +49,19 @@ def run(args: RolloutArgs) -> None:
     cfg, setup = args.cfg, args.setup
     tokenizer = tasks.load_tokenizer(setup.model_path, cfg.model.chat_template)
     data = tasks.get(cfg.task.name).build(cfg.task, cfg.seed)
-    with (RewardPool(data.reward, cfg.reward.workers, cfg.reward.timeout_s, data.reward_options) as pool,
-          args.engine.open(setup.resume_path or setup.model_path, cfg.seed * 1000 + args.worker) as engine):
+    # A multi-turn task's rewards come from its environment, stepped beside the engine (envs/episode.py).
+    scorer = RewardPool(data.reward, cfg.reward.workers, cfg.reward.timeout_s, data.reward_options) \
+        if data.env is None else nullcontext(None)
+    engine_cm = args.engine.open(setup.resume_path or setup.model_path, cfg.seed * 1000 + args.worker)
+    with scorer as pool, engine_cm as engine:
         engine.set_version(setup.resume_step)
         evaluation = args.evaluator.worker_part(args.worker, data, tokenizer, setup.eval_spec, pool)
-        RolloutWorker(args, engine, args.shared.weights.follower(engine, args.worker), tokenizer, data, pool,
-                      evaluation).run()
+        worker = RolloutWorker(args, engine, args.shared.weights.follower(engine, args.worker), tokenizer, data, pool,
+                               evaluation)
+        try:
+            worker.run()
+        finally:
+            worker.turns.close()
 
 
 def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int):
@@ -66,11 +75,23 @@ def prompt_stream(num_examples: int, worker_id: int, num_workers: int, seed: int
 
 @dataclass
 class Scoring:
-    """A group whose K completions are all in, waiting for its rewards."""
-    completions: list[Completion]
+    """A group whose K episodes have all ended, waiting for its rewards."""
+    episodes: list[Episode]
     prompt_index: int
     group_id: int
-    rewards: ScoreHandle
+    rewards: "ScoreHandle | Scored"
+
+
+@dataclass
+class Scored:
+    """Rewards known already: a multi-turn group's, summed from its environments' steps."""
+    rewards: list[float]
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[float]:
+        return self.rewards
 
 
 class RolloutWorker:
@@ -92,8 +113,14 @@ class RolloutWorker:
         for _ in range(args.first_group):  # a resumed or restarted worker skips the prompts of groups delivered
             next(self.stream)
         self.next_group = args.first_group  # this worker's index of the next group it starts
-        self.open: dict[int, tuple[int, dict[int, Completion]]] = {}  # group id -> (prompt index, {sample: completion})
+        # The turns of every episode (envs/episode.py); a one-shot completion is an episode of one turn.
+        self.turns = Turns(engine, tokenizer, task, args.cfg.env, self.sampling, rollout.max_new_tokens,
+                           args.cfg.seed * 1000 + self.worker, self._count)
+        self.open: dict[int, tuple[int, dict[int, Episode]]] = {}  # group id -> (prompt index, {sample: episode})
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters.add(self.worker, name, n)
 
     def run(self) -> None:
         heart = self.heart
@@ -107,8 +134,12 @@ class RolloutWorker:
                 self.start_group()
             if not self.deliver_scored():
                 return  # rollouts ended while the ring was full
+            self.collect_episodes(self.turns.poll())
             if self.engine.num_running() + self.engine.num_waiting() == 0:
-                if self.scoring:
+                if self.turns.busy():
+                    heart.beat("env_wait")
+                    time.sleep(0.002)  # every episode waits for its environment; the gate may open meanwhile
+                elif self.scoring:
                     heart.beat("score")
                     time.sleep(0.005)  # nothing to generate; the oldest group is still being scored
                 else:
@@ -123,87 +154,112 @@ class RolloutWorker:
         heart.beat("done")
 
     def start_group(self) -> None:
-        """A new group, already counted by the gate: K requests of the next prompt."""
-        index, ids = self.next_prompt()
+        """A new group, already counted by the gate: K episodes of the next prompt."""
+        index, ids, messages = self.next_prompt()
         group_id = self.next_group * self.workers + self.worker
         self.next_group += 1
         self.counters.add(self.worker, "started")
         self.counters.set(self.worker, "next_group", self.next_group)
         self.open[group_id] = (index, {})
         for i in range(self.k):
-            self.engine.add(Request(group_id * self.k + i, ids, self.sampling))
+            self.turns.start(group_id * self.k + i, ids, messages, self.task.train[index])
 
-    def next_prompt(self) -> tuple[int, list[int]]:
-        """The next prompt of this worker's shard that fits rollout.max_prompt_len, cut to fit if so configured."""
+    def next_prompt(self) -> tuple[int, list[int], list[dict]]:
+        """The next prompt of this worker's shard that fits rollout.max_prompt_len, cut to fit if so configured,
+        and its messages."""
         for index in self.stream:
-            ids = tasks.prompt_ids(self.tokenizer, self.task.train[index].question)
+            ids, messages = self.turns.prompt(self.task.train[index])
             budget = self.max_prompt_len
             if not budget or len(ids) <= budget:
-                return index, ids
+                return index, ids, messages
             if self.long_prompts == "truncate":
                 self.counters.add(self.worker, "prompts_truncated")
                 # cut the middle: the end of a chat prompt is the assistant header the model continues from
                 tail = min(8, budget // 2)
-                return index, ids[:budget - tail] + ids[-tail:]
+                return index, ids[:budget - tail] + ids[-tail:], messages
             self.counters.add(self.worker, "prompts_skipped")
 
     def collect(self, finished: list[Completion]) -> None:
-        """Completions out of the engine: evaluation's to the evaluation, rollouts' into their groups; a group
-        whose K samples are in goes to the reward pool."""
+        """Completions out of the engine: evaluation's to the evaluation, rollouts' to their episodes."""
+        ended = []
         for done in finished:
             if self.evaluation is not None and self.evaluation.owns(done):
                 self.evaluation.add(done)
                 continue
             self.counters.add(self.worker, "tokens", len(done.token_ids))
-            group_id, sample = divmod(done.request_id, self.k)
+            episode = self.turns.completed(done)
+            if episode is not None:
+                ended.append(episode)
+        self.collect_episodes(ended)
+
+    def collect_episodes(self, ended: list[Episode]) -> None:
+        """Episodes that ended into their groups; a group whose K episodes are in goes to be scored: by the reward
+        pool (one-shot), or at once by the rewards its environment gave (multi-turn)."""
+        for episode in ended:
+            group_id, sample = divmod(episode.key, self.k)
             index, samples = self.open[group_id]
-            samples[sample] = done
-            if len(samples) == self.k:
-                del self.open[group_id]
-                completions = [samples[i] for i in range(self.k)]
-                texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            samples[sample] = episode
+            if len(samples) < self.k:
+                continue
+            del self.open[group_id]
+            episodes = [samples[i] for i in range(self.k)]
+            if self.task.env is None:
+                texts = self.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
                 handle = self.pool.submit(texts, [self.task.train[index].answer] * self.k)
-                self.scoring.append(Scoring(completions, index, group_id, handle))
+            else:
+                handle = Scored([e.reward for e in episodes])
+            self.scoring.append(Scoring(episodes, index, group_id, handle))
 
     def deliver_scored(self) -> bool:
         """Scored groups into the ring, oldest first; False if rollouts ended while the ring was full."""
         while self.scoring and self.scoring[0].rewards.done():
             scored = self.scoring.popleft()
-            group = to_group(scored.completions, scored.rewards.result(), scored.prompt_index, scored.group_id,
+            group = to_group(scored.episodes, scored.rewards.result(), scored.prompt_index, scored.group_id,
                              self.worker)
             while not self.shared.ring.put(group, timeout=0.5):
                 self.heart.beat("ring_put")
                 if self.shared.rollouts_over():
                     return False
             self.counters.add(self.worker, "groups")
-            self.counters.set(self.worker, "reward_timeouts", self.pool.timeouts)
-            self.counters.set(self.worker, "reward_errors", self.pool.errors)
-            for name in SANDBOX_KILLS:
-                self.counters.set(self.worker, name, self.pool.counts[name])
+            if self.pool is not None:
+                self.counters.set(self.worker, "reward_timeouts", self.pool.timeouts)
+                self.counters.set(self.worker, "reward_errors", self.pool.errors)
+                for name in SANDBOX_KILLS:
+                    self.counters.set(self.worker, name, self.pool.counts[name])
+            engine = self.engine
+            self.counters.set(self.worker, "resumed_prefills", getattr(engine, "resumed", 0))
+            self.counters.set(self.worker, "full_prefills", getattr(engine, "resume_misses", 0))
         return True
 
 
-def to_group(completions: list[Completion], rewards: list[float], index: int, group_id: int,
-             worker_id: int) -> Group:
-    """K completions of one prompt and their rewards as one ring entry, padded to the longest."""
-    width = max(len(c.token_ids) for c in completions)
-    k = len(completions)
+def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id: int, worker_id: int) -> Group:
+    """K episodes of one prompt and their rewards as one ring entry, padded to the longest. An episode's tokens
+    after the prompt are its completion; the loss mask marks those the policy sampled."""
+    width = max(len(e.token_ids) for e in episodes)
+    k = len(episodes)
     ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)
-    versions = torch.zeros(k, width, dtype=torch.long)
-    for i, c in enumerate(completions):
-        n = len(c.token_ids)
-        ids[i, :n] = torch.tensor(c.token_ids)
-        logprobs[i, :n] = torch.tensor(c.logprobs)
-        versions[i, :n] = torch.tensor(c.versions)
+    versions, turn_ids = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width, dtype=torch.long)
+    mask = torch.zeros(k, width, dtype=torch.bool)
+    for i, e in enumerate(episodes):
+        n = len(e.token_ids)
+        ids[i, :n] = torch.tensor(e.token_ids)
+        logprobs[i, :n] = torch.tensor(e.logprobs)
+        versions[i, :n] = torch.tensor(e.versions)
+        turn_ids[i, :n] = torch.tensor(e.turn_ids)
+        mask[i, :n] = torch.tensor(e.mask)
     return Group(
-        prompt_ids=torch.tensor(completions[0].prompt_ids),
+        prompt_ids=torch.tensor(episodes[0].prompt_ids),
         completion_ids=ids,
-        completion_lens=torch.tensor([len(c.token_ids) for c in completions]),
+        completion_lens=torch.tensor([len(e.token_ids) for e in episodes]),
         logprobs=logprobs,
         versions=versions,
         rewards=torch.tensor(rewards, dtype=torch.float32),
-        truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
+        truncated=torch.tensor([e.finish == "budget" for e in episodes]),
         prompt_index=index,
         group_id=group_id,
         worker_id=worker_id,
+        loss_mask=mask,
+        turn_ids=turn_ids,
+        turns=torch.tensor([e.turns for e in episodes]),
+        finish=torch.tensor([e.finish_code for e in episodes]),
     )

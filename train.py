@@ -126,7 +126,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
     # What every process gets: the typed config whole, what was settled here, and its own few values.
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
-                     resume_path=resume["path"] if resume else "", resume_step=resume["step"] if resume else 0)
+                     resume_path=resume["path"] if resume else "", resume_step=resume["step"] if resume else 0,
+                     multi_turn=task.env is not None)
     engines = [plan.engine(w, rollout.max_batch, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
                for w in range(workers)]
     port = free_port()
@@ -241,7 +242,7 @@ def _eval_spec(cfg, stop_ids: tuple):
     from evaluate import EvalSpec
 
     return EvalSpec(cfg.eval, cfg.reward, cfg.rollout.max_new_tokens, stop_ids, cfg.seed, cfg.rollout.dtype,
-                    tuple(sorted(cfg.model.chat_template.items())))
+                    tuple(sorted(cfg.model.chat_template.items())), cfg.env)
 
 
 def _evaluate_only(cfg, plan, model_path, run_dir, task) -> None:
@@ -280,7 +281,7 @@ def _max_prompt_len(tokenizer, task, budget: int, long_prompts: str) -> int:
     """The ring's prompt width: the longest training prompt, or the budget if one is set and some exceed it."""
     import tasks
 
-    lengths = [len(tasks.prompt_ids(tokenizer, ex.question)) for ex in task.train]
+    lengths = [len(tasks.first_prompt_ids(tokenizer, task, ex)) for ex in task.train]
     if not budget or budget >= max(lengths):
         return max(lengths)
     if long_prompts == "skip" and min(lengths) > budget:

@@ -31,6 +31,10 @@ class Completion:
     reward: float
     truncated: bool
     added_at: int  # learner version when its group was added
+    loss_mask: torch.Tensor | None = None  # bool [L], tokens the policy sampled (None: all)
+    turn_ids: torch.Tensor | None = None  # int64 [L]
+    turns: int = 1
+    finish: int = 0
 
 
 class ReplayBuffer:
@@ -101,7 +105,8 @@ class ReplayBuffer:
             history[key] = Completion(
                 token_ids=group.completion_ids[i, :n].clone(), logprobs=group.logprobs[i, :n].clone(),
                 versions=group.versions[i, :n].clone(), reward=float(group.rewards[i]),
-                truncated=bool(group.truncated[i]), added_at=version)
+                truncated=bool(group.truncated[i]), added_at=version, loss_mask=group.loss_mask[i, :n].clone(),
+                turn_ids=group.turn_ids[i, :n].clone(), turns=int(group.turns[i]), finish=int(group.finish[i]))
             if len(history) > self.per_prompt_capacity:
                 del history[next(iter(history))]
         if before < self._group_size <= len(history):
@@ -152,10 +157,11 @@ class ReplayBuffer:
         lens = [len(c.token_ids) for c in picked]
         width = max(lens)
 
-        def padded(name: str, dtype: torch.dtype) -> torch.Tensor:
+        def padded(name: str, dtype: torch.dtype, missing=0) -> torch.Tensor:
             out = torch.zeros(k, width, dtype=dtype)
             for row, (c, length) in enumerate(zip(picked, lens)):
-                out[row, :length] = getattr(c, name)
+                value = getattr(c, name)
+                out[row, :length] = missing if value is None else value  # None: a checkpoint from before masks
             return out
 
         group = Group(
@@ -167,6 +173,8 @@ class ReplayBuffer:
             rewards=torch.tensor([c.reward for c in picked], dtype=torch.float32),
             truncated=torch.tensor([c.truncated for c in picked], dtype=torch.bool),
             prompt_index=prompt, group_id=self._next_id, worker_id=-1,  # negative ids mark assembled groups
+            loss_mask=padded("loss_mask", torch.bool, True), turn_ids=padded("turn_ids", torch.int64),
+            turns=torch.tensor([c.turns for c in picked]), finish=torch.tensor([c.finish for c in picked]),
         )
         self._next_id -= 1
         return group

@@ -33,8 +33,13 @@ PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID, PUBLISHED_NS = range(6)
 # A slot holds one group as a single byte record, so a put and a get each copy it in one call. The int64
 # fields come first, then float32, then bool: every field starts aligned for its dtype.
 FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("completion_lens", torch.int64),
-          ("versions", torch.int64), ("logprobs", torch.float32), ("rewards", torch.float32),
-          ("truncated", torch.bool))
+          ("versions", torch.int64), ("turn_ids", torch.int64), ("turns", torch.int64), ("finish", torch.int64),
+          ("logprobs", torch.float32), ("rewards", torch.float32), ("truncated", torch.bool), ("loss_mask", torch.bool))
+# Why an episode ended (Group.finish holds the index): its environment said done; it reached env.max_turns; its
+# last turn was cut by the episode's token budget (rollout.max_new_tokens); the next observation and a turn no
+# longer fit that budget (context); the environment raised; an environment step or the episode ran out of time.
+# A one-shot completion ends "done" on a stop token and "budget" at max_new_tokens.
+FINISH_REASONS = ("done", "max_turns", "budget", "context", "env_error", "env_timeout")
 
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
@@ -42,7 +47,7 @@ NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np
 
 def _shapes(P: int, K: int, N: int) -> list[tuple]:
     """The shapes of FIELDS for a prompt of P tokens and K completions of width N."""
-    return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,)]
+    return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,), (K, N), (K,), (K,), (K, N)]
 
 
 def _sizes(shapes: list[tuple]) -> list[int]:
@@ -65,23 +70,40 @@ def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 @dataclass
 class Group:
-    """One prompt and its K sampled completions."""
+    """One prompt and its K sampled completions; a completion is an episode, everything after the prompt: the
+    policy's turns and, between them, the environment's (observations: tokens the policy did not sample)."""
 
     prompt_ids: torch.Tensor  # int64 [P], true prompt length, no padding
     completion_ids: torch.Tensor  # int64 [K, N], right-padded with 0
     completion_lens: torch.Tensor  # int64 [K]
-    logprobs: torch.Tensor  # float32 [K, N], behaviour logprobs, 0 in padding
-    versions: torch.Tensor  # int64 [K, N], policy version that sampled each token, 0 in padding
+    logprobs: torch.Tensor  # float32 [K, N], behaviour logprobs; 0 in padding and where the policy sampled nothing
+    versions: torch.Tensor  # int64 [K, N], the policy version that sampled each token; -1 where none, 0 in padding
     rewards: torch.Tensor  # float32 [K]
     truncated: torch.Tensor  # bool [K], hit max_new_tokens without a stop token
     prompt_index: int
     group_id: int
     worker_id: int  # the producer's lane in the ring
+    loss_mask: torch.Tensor | None = None  # bool [K, N], True on tokens the policy sampled (None: every valid token)
+    turn_ids: torch.Tensor | None = None  # int64 [K, N], the turn (0, 1, ...) each token belongs to (None: 0)
+    turns: torch.Tensor | None = None  # int64 [K], policy turns in the episode (None: 1)
+    finish: torch.Tensor | None = None  # int64 [K], index into FINISH_REASONS (None: from `truncated`)
+
+    def __post_init__(self):
+        k, width = self.completion_ids.shape
+        if self.loss_mask is None:
+            self.loss_mask = torch.arange(width) < self.completion_lens[:, None]
+        if self.turn_ids is None:
+            self.turn_ids = torch.zeros(k, width, dtype=torch.int64)
+        if self.turns is None:
+            self.turns = torch.ones(k, dtype=torch.int64)
+        if self.finish is None:
+            self.finish = torch.where(self.truncated, FINISH_REASONS.index("budget"), 0).to(torch.int64)
 
     def min_version(self) -> int:
-        """Oldest policy version among the valid (non-padding) completion tokens; 0 if there are none."""
+        """Oldest policy version among the tokens the policy sampled: the group's staleness is its oldest
+        sampled token's; 0 if there are none."""
         width = self.completion_ids.shape[1]
-        valid = torch.arange(width) < self.completion_lens[:, None]
+        valid = (torch.arange(width) < self.completion_lens[:, None]) & self.loss_mask
         return int(self.versions[valid].min()) if valid.any() else 0
 
 
@@ -198,10 +220,10 @@ class TrajectoryRing:
         if group.prompt_ids.dim() != 1 or group.prompt_ids.shape[0] > self.max_prompt_len:
             raise ValueError(f"prompt of shape {tuple(group.prompt_ids.shape)} "
                              f"exceeds max_prompt_len={self.max_prompt_len}")
-        for name in ("logprobs", "versions"):
+        for name in ("logprobs", "versions", "loss_mask", "turn_ids"):
             if getattr(group, name).shape != group.completion_ids.shape:
                 raise ValueError(f"{name} must have the shape of completion_ids {tuple(group.completion_ids.shape)}")
-        for name in ("completion_lens", "rewards", "truncated"):
+        for name in ("completion_lens", "rewards", "truncated", "turns", "finish"):
             if getattr(group, name).shape != (K,):
                 raise ValueError(f"{name} must have shape [K={K}], got {tuple(getattr(group, name).shape)}")
         lens = group.completion_lens.tolist()  # K numbers: cheaper in Python than as tensor ops

@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept; 1 keeps the full vocabulary
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    # Text that ends a sequence as a stop token does (a tool call's closing tag, `</calc>`), matched on the text of
+    # the tokens sampled so far; the engine needs the text of every token id first (`Engine.use_vocabulary`).
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass
@@ -29,6 +32,12 @@ class Request:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    # Multi-turn episodes: `park` keeps the finished sequence's cache (its slot stays parked, evicted oldest first
+    # when a slot is needed); `resume` names a parked request whose prompt and tokens begin this prompt, so only
+    # the new tokens are prefilled. A resume whose sequence was evicted is a full prefill: correct, slower.
+    # Engines without slots of their own (SGLang, whose radix cache finds the prefix) may ignore both.
+    park: bool = False
+    resume: int | None = None
 
 
 @dataclass
@@ -55,6 +64,21 @@ def check_request(request: Request, max_len: int | None = None) -> None:
         raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
 
 
+def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...], vocabulary: list[str]) -> Completion:
+    """`completion` ended at the first token whose text completes a stop string (reason "stop"): for an engine that
+    cannot stop on text itself, at the price of the tokens it sampled past it."""
+    if not stop_strings:
+        return completion
+    text, longest = "", max(map(len, stop_strings))
+    for n, token in enumerate(completion.token_ids, 1):
+        piece = vocabulary[token]
+        text += piece
+        if any(stop in text[-(longest + len(piece)):] for stop in stop_strings):
+            return Completion(completion.request_id, completion.prompt_ids, completion.token_ids[:n],
+                              completion.logprobs[:n], completion.versions[:n], "stop")
+    return completion
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Continuous batching: `add` requests, call `step` (admit, decode) and collect what finishes. Every token
@@ -77,7 +101,11 @@ class Engine(Protocol):
     def num_waiting(self) -> int: ...
 
     def free_slots(self) -> int:
-        """Sequences that could start decoding now."""
+        """Sequences that could start decoding now (parked ones count: they are evicted when a slot is needed)."""
+        ...
+
+    def use_vocabulary(self, texts: list[str]) -> None:
+        """The text of every token id, for `SamplingParams.stop_strings`."""
         ...
 
     # The weight receipt: how a new version arrives, between two steps. A weight path (engines/weights.py,

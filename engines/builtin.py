@@ -8,7 +8,7 @@ finishes. Between steps a rollout worker may `.copy_()` new weights into `weight
 `set_version(v)`: sequences in flight keep their cache and their later tokens record version v.
 """
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,11 +28,19 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    text: str = ""  # what the tokens read as, kept only for stop strings
 
-    def finish_reason(self) -> str | None:
-        params = self.request.params
-        if self.token_ids[-1] in params.stop_token_ids:
+    def finish_reason(self, vocabulary: list[str] | None) -> str | None:
+        params, token = self.request.params, self.token_ids[-1]
+        if token in params.stop_token_ids:
             return "stop"
+        if params.stop_strings:
+            piece = vocabulary[token]
+            self.text += piece
+            # a stop string may end inside this token's text, never before it: it would have stopped earlier
+            tail = self.text[-(max(map(len, params.stop_strings)) + len(piece)):]
+            if any(stop in tail for stop in params.stop_strings):
+                return "stop"
         return "length" if len(self.token_ids) >= params.max_new_tokens else None
 
     def completion(self, reason: str) -> Completion:
@@ -121,6 +129,11 @@ class BuiltinEngine:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free = list(range(max_batch))      # a min-heap: low slots first keeps running slots dense
+        # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its tokens,
+        # prompt and generated; the cache holds all but the last).
+        self.parked: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        self.resumed = self.resume_misses = 0  # continuations that prefilled only their new tokens, and the others
+        self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
         on = {"device": self.device}
         self.slot_token = torch.zeros(max_batch, dtype=torch.long, **on)  # the token to feed next
@@ -165,10 +178,15 @@ class BuiltinEngine:
         return len(self.waiting)
 
     def free_slots(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.parked)
+
+    def use_vocabulary(self, texts: list[str]) -> None:
+        self.vocabulary = list(texts)
 
     def add(self, request: Request) -> None:
         check_request(request, self.max_len)
+        if request.params.stop_strings and self.vocabulary is None:
+            raise ValueError(f"request {request.request_id} has stop strings; call use_vocabulary(texts) first")
         self.waiting.append(request)
 
     def step(self) -> list[Completion]:
@@ -196,10 +214,13 @@ class BuiltinEngine:
         of the same batched sampling as all the others, and prefill never computes logits.
         """
         admitted = []
-        while self.waiting and self.free:
-            request, slot = self.waiting.popleft(), heapq.heappop(self.free)
+        while self.waiting and (self.free or self.parked):
+            request = self.waiting.popleft()
+            slot = self._continue(request)
+            if slot is None:
+                slot = heapq.heappop(self.free) if self.free else self.parked.popitem(last=False)[1][0]
+                admitted.append((request, slot))
             self.running[slot] = Sequence(request, slot)
-            admitted.append((request, slot))
         if not admitted:
             return
         requests = [r for r, _ in admitted]
@@ -220,6 +241,33 @@ class BuiltinEngine:
             ids[row, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
         self.model.prefill(self.k_cache, self.v_cache, ids.to(self.device), self._tensor(rows), slots)
 
+    def _continue(self, request: Request) -> int | None:
+        """The parked slot that `request` continues, its cache extended by the new prompt tokens; None when it
+        continues nothing, or a sequence evicted meanwhile, or the model cannot extend a cache (a full prefill)."""
+        if request.resume is None:
+            return None
+        parked = self.parked.pop(request.resume, None)
+        if parked is None:
+            self.resume_misses += 1
+            return None
+        slot, tokens = parked
+        prompt = request.prompt_ids
+        if len(prompt) < len(tokens) or prompt[:len(tokens)] != tokens or not hasattr(self.model, "extend"):
+            self.resume_misses += 1
+            heapq.heappush(self.free, slot)
+            return None
+        new = prompt[len(tokens) - 1:-1]  # the cache holds all but the parked sequence's last token
+        if new:
+            self.model.extend(self.k_cache, self.v_cache, self._tensor(new), slot, len(tokens) - 1)
+        self._set_slot(slot, request)
+        self.resumed += 1
+        return slot
+
+    def _set_slot(self, slot: int, request: Request) -> None:
+        self.slot_token[slot], self.slot_pos[slot] = request.prompt_ids[-1], len(request.prompt_ids) - 1
+        self.slot_temperature[slot], self.slot_top_p[slot] = request.params.temperature, request.params.top_p
+        self.slot_request[slot] = request.request_id
+
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device)
 
@@ -239,15 +287,18 @@ class BuiltinEngine:
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
-            reason = seq.finish_reason()
+            reason = seq.finish_reason(self.vocabulary)
             if reason is not None:
                 finished.append(seq.completion(reason))
                 self._release(slot)
         return finished
 
     def _release(self, slot: int) -> None:
-        del self.running[slot]
-        heapq.heappush(self.free, slot)
+        seq = self.running.pop(slot)
+        if seq.request.park:
+            self.parked[seq.request.request_id] = (slot, seq.request.prompt_ids + seq.token_ids)
+        else:
+            heapq.heappush(self.free, slot)
 
 
 @dataclass(frozen=True)

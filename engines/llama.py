@@ -172,6 +172,25 @@ class Llama:
             x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
 
+    def extend(self, k_cache, v_cache, ids: torch.Tensor, slot: int, start: int) -> None:
+        """Append tokens `ids` [m] at positions start.. to the cache of `slot`, which holds positions 0..start-1:
+        the next turn of a parked sequence, prefilled without recomputing what it already cached."""
+        m = ids.shape[0]
+        x = self.embed[ids][None]
+        cos, sin = self.cos[start:start + m, None], self.sin[start:start + m, None]
+        pos = torch.arange(start, start + m, device=ids.device)
+        visible = torch.arange(start + m, device=ids.device)[None, :] <= pos[:, None]  # [m, start + m]
+        for i, layer in enumerate(self.layers):
+            q, k, v = (t.transpose(1, 2) for t in self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin))
+            k_cache[i, slot, :, start:start + m] = k[0]
+            v_cache[i, slot, :, start:start + m] = v[0]
+            if i == len(self.layers) - 1:
+                break  # as in prefill: no logits
+            keys, values = k_cache[i, slot:slot + 1, :, :start + m], v_cache[i, slot:slot + 1, :, :start + m]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+            x = x + self._mlp(layer, x)
+
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                length: int) -> torch.Tensor:
         """One token for each running slot: ids, pos, slots [n] (slots ascending) -> float32 logits [n, V].

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engines.base import Completion, Request, SamplingParams, check_request
+from engines.base import Completion, Request, SamplingParams, check_request, cut_at_stop_string
 
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
@@ -69,6 +69,7 @@ class SGLangEngine:
         self.backend = backend or SGLangBackend(model_path, tp_size, base_gpu_id, mem_fraction_static, seed, dtype)
         self.max_batch, self.poll_s = max_batch, poll_s
         self.version = 0
+        self.vocabulary: list[str] = []  # token id -> text, for stop strings (use_vocabulary)
         self.waiting: deque[Partial] = deque()
         self.running: dict[asyncio.Future, tuple[Partial, int]] = {}  # task -> (request, version it runs under)
 
@@ -132,6 +133,11 @@ class SGLangEngine:
     def weight_tensors(self) -> dict:
         return {}  # the weights live in SGLang's own processes: they arrive in buckets only
 
+    def use_vocabulary(self, texts: list[str]) -> None:
+        """Stop strings are matched here on what SGLang returns (it runs without its tokenizer): a turn that
+        passed its stop string is cut right after it. Unrun on a GPU so far."""
+        self.vocabulary = list(texts)
+
     def join_weight_group(self, address: str, port: int, rank_offset: int, world_size: int,
                           group_name: str = "ringrl-weights") -> None:
         """NCCL weight sync only: join trainer rank 0's group (blocks until every member joins)."""
@@ -157,7 +163,8 @@ class SGLangEngine:
             if reason is None:
                 interrupted.append(partial)
             else:
-                finished.append(partial.completion(reason))
+                finished.append(cut_at_stop_string(partial.completion(reason), partial.request.params.stop_strings,
+                                                   self.vocabulary))
         # Interrupted requests go back to the front, in request order: they are the oldest in flight.
         interrupted.sort(key=lambda p: p.request.request_id)
         self.waiting.extendleft(reversed(interrupted))

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-PHASES = ("start", "generate", "load_weights", "wait_gate", "score", "ring_put", "wait_data", "first_step",
+PHASES = ("start", "generate", "load_weights", "wait_gate", "env_wait", "score", "ring_put", "wait_data", "first_step",
           "train_step", "publish", "evaluate", "checkpoint", "wait_rank0", "collective", "done")
 SLOW_PHASES = frozenset(("evaluate", "checkpoint", "first_step"))
 

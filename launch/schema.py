@@ -164,6 +164,34 @@ class TrainConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (a task with an environment, envs/): the limits of one episode. Its tokens after the
+    prompt, the policy's and the environment's, are bounded by rollout.max_new_tokens."""
+    max_turns: int = 4  # policy turns per episode (a task's preset may change it)
+    max_turn_tokens: int = 48  # new tokens per policy turn
+    max_observation_tokens: int = 128  # an observation longer than this is cut in the middle (episode/observations_cut)
+    step_timeout_s: float = 10.0  # an environment step slower than this ends its episode (env_timeout)
+    episode_timeout_s: float = 300.0  # wall clock of one episode, model and environment together
+    threads: int = 64  # threads stepping environments beside the engine (waits, remote calls, sandboxed runs)
+    # a remote tool's stand-in: each step waits a log-normal delay of this mean (seconds; 0: none), using no core
+    latency_s: float = 0.0
+    latency_sigma: float = 1.0  # the delay's log-normal shape: 1 gives a long tail (p99 about 7x the median)
+    check_every: int = 16  # every N-th episode is compared with its conversation rendered at once (0: never)
+
+    def check(self):
+        require(self.max_turns >= 1, "env.max_turns", "must be >= 1", self.max_turns)
+        require(self.max_turn_tokens >= 1, "env.max_turn_tokens", "must be >= 1", self.max_turn_tokens)
+        require(self.max_observation_tokens >= 8, "env.max_observation_tokens", "must be >= 8",
+                self.max_observation_tokens)
+        require(self.step_timeout_s > 0, "env.step_timeout_s", "must be > 0", self.step_timeout_s)
+        require(self.episode_timeout_s > 0, "env.episode_timeout_s", "must be > 0", self.episode_timeout_s)
+        require(self.threads >= 1, "env.threads", "must be >= 1", self.threads)
+        require(self.latency_s >= 0, "env.latency_s", "must be >= 0", self.latency_s)
+        require(self.latency_sigma >= 0, "env.latency_sigma", "must be >= 0", self.latency_sigma)
+        require(self.check_every >= 0, "env.check_every", "must be >= 0", self.check_every)
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  # evaluate on the test split every N steps, and always at the end (0: only at the end)
     k: int = 4  # samples per prompt for pass@k (greedy pass@1 is always reported)
@@ -226,6 +254,7 @@ class Config:
     resume: str = ""  # a run directory: continue it in place from its latest checkpoint
     # The sections, in the order a run's config.yaml lists them:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn tasks only
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -21,3 +21,4 @@ class RunSetup:
     config: dict  # the resolved config as config.yaml holds it: what the metrics logger records
     resume_path: str = ""  # the checkpoint a resumed run starts from ("" for a new run)
     resume_step: int = 0  # its step: the policy version the run continues from
+    multi_turn: bool = False  # the task's episodes have an environment (envs/): episode/ metrics are logged

@@ -88,6 +88,11 @@ class Finish:
 
 
 SANDBOX_KILLS = ("sandbox_kills_time", "sandbox_kills_memory", "sandbox_kills_output")
+# Multi-turn episodes, counted by the rollout worker: the environment's own counts (envs.COUNTED), what went
+# wrong around it, and where an episode's time went (milliseconds, summed over episodes).
+EPISODE_COUNTERS = ("episodes", "successes", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors",
+                    "unknown_tools", "env_errors", "env_timeouts", "observations_cut", "observations_sanitized",
+                    "template_checks", "template_mismatches", "resumed_prefills", "full_prefills", "model_ms", "env_ms")
 
 
 class WorkerCounters:
@@ -105,6 +110,7 @@ class WorkerCounters:
         "lost_groups",  # groups started but never delivered by a worker that died
         "prompts_truncated",  # prompts over rollout.max_prompt_len, cut
         "prompts_skipped",  # prompts over rollout.max_prompt_len, skipped
+        *EPISODE_COUNTERS,  # multi-turn tasks (envs/episode.py), logged as episode/<name>
     )
 
     def __init__(self, workers: int):

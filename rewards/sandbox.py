@@ -146,6 +146,8 @@ class _Process:
             selector.register(f, selectors.EVENT_READ, self)
 
     def ready(self, f):
+        if f not in self.open:  # closed by a kill earlier in the same batch of ready files
+            return
         if f is self.exit_fd:
             self._close(f)
             return

@@ -1,8 +1,12 @@
 """Tasks: a train and a test split of `Example`s, a prompt format and the name of their reward."""
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from registry import Registry
+
+if TYPE_CHECKING:
+    from envs import Env
 
 
 @dataclass(frozen=True)
@@ -13,10 +17,25 @@ class Example:
 
 @dataclass
 class Task:
-    reward: str  # name for rewards.get_reward
+    reward: str  # name for rewards.get_reward ("" for a multi-turn task: its environment gives the rewards)
     train: list[Example]
     test: list[Example]
     reward_options: dict = field(default_factory=dict)  # keyword arguments of a reward built per process
+    # Multi-turn (envs/): a new environment per episode, built in the rollout process (None: one-shot replies)
+    env: Callable[[], "Env"] | None = None
+    stop_strings: tuple[str, ...] = ()  # text that ends a turn besides the stop tokens (a tool call's closing tag)
+    observation_role: str = "user"  # the role the environment's turns are rendered with (Hermes tools: "tool")
+    tools: list[dict] | None = None  # tool schemas handed to the chat template (the Hermes/Qwen call format)
+
+    def messages(self, example: Example) -> list[dict]:
+        """The first messages of an episode of `example`: the environment's, or the question as a user turn."""
+        if self.env is None:
+            return [{"role": "user", "content": example.question}]
+        env = self.env()
+        try:
+            return env.reset(example)
+        finally:
+            env.close()
 
 
 TASKS = Registry("task", __name__, os.path.dirname(__file__))  # tasks/<name>.py: Config and build(cfg, seed)
@@ -48,3 +67,12 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
                                          add_generation_prompt=True,
                                          **getattr(tokenizer, "ringrl_chat_template", {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def first_prompt_ids(tokenizer, task: Task, example: Example) -> list[int]:
+    """The first prompt of an episode of `example` (a one-shot task's: `prompt_ids` of its question)."""
+    if task.env is None:
+        return prompt_ids(tokenizer, example.question)
+    from envs.render import Renderer
+
+    return Renderer(tokenizer, task.observation_role, task.tools).prompt(task.messages(example))

@@ -89,3 +89,14 @@ def in_use_elsewhere(names: set[str]) -> set[str]:
 
 TINY = ("rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.max_batch=16", "train.batch_groups=2",
         "train.micro_groups=2")
+
+
+def require_sandbox() -> None:
+    """Skip the test where bubblewrap cannot run (rewards/sandbox.py check())."""
+    import pytest
+
+    from rewards.sandbox import check
+    try:
+        check()
+    except ValueError as e:
+        pytest.skip(f"no sandbox here: {e}")

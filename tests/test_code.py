@@ -17,7 +17,7 @@ import pytest
 from rewards.code import CodeReward, extract_program, parse_reference
 from rewards.pool import RewardPool
 from tasks.code import Config, example
-from tests.helpers import ROOT, TINY, run_train
+from tests.helpers import ROOT, TINY, require_sandbox, run_train
 
 FENCE = "```"
 
@@ -36,11 +36,7 @@ def stdio(inputs, outputs) -> str:
 
 @pytest.fixture(scope="module")
 def sandbox():
-    from rewards.sandbox import check
-    try:
-        check()
-    except ValueError as e:
-        pytest.skip(f"no sandbox here: {e}")
+    require_sandbox()
 
 
 def _code_reward(**changes) -> CodeReward:

@@ -243,3 +243,52 @@ def test_a_request_samples_the_same_tokens_in_any_batch(model):
     together = BuiltinEngine(model, max_batch=4, max_len=32, seed=3).generate(requests)
     alone = [BuiltinEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0] for r in requests[::-1]][::-1]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def test_a_parked_sequence_continues_with_only_its_new_tokens_prefilled(model):
+    """Multi-turn: a finished turn's slot stays parked; the next turn (its tokens + an observation) extends the
+    cache instead of prefilling it all, and its logprobs are those of a full teacher-forced pass."""
+    prompt, observation = random_prompts([9, 6], seed=3)
+    engine = BuiltinEngine(model, max_batch=2, max_len=64)
+    first = engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])[0]
+    assert engine.free_slots() == 2 and list(engine.parked) == [0]
+    prefilled = []
+    prefill = engine.model.prefill
+    engine.model.prefill = lambda *a: prefilled.append(a[2].shape) or prefill(*a)
+    second_prompt = prompt + first.token_ids + observation
+    second = engine.generate([Request(1, second_prompt, SamplingParams(max_new_tokens=6), resume=0)])[0]
+    assert prefilled == [] and (engine.resumed, engine.resume_misses) == (1, 0)
+    assert_matches_teacher_forced(model, second, 1.0)
+    # The same continuation after its slot was taken by another request: a full prefill, the same tokens.
+    other = BuiltinEngine(model, max_batch=1, max_len=64)
+    other.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])
+    other.generate([Request(7, random_prompts([4], seed=9)[0], SamplingParams(max_new_tokens=2))])  # evicts it
+    again = other.generate([Request(1, second_prompt, SamplingParams(max_new_tokens=6), resume=0)])[0]
+    assert (other.resumed, other.resume_misses) == (0, 1)
+    assert again.token_ids == second.token_ids
+    torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(second.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_stop_string_ends_a_sequence_even_inside_a_token(model):
+    prompt = random_prompts([7])[0]
+    engine = BuiltinEngine(model, max_batch=2, max_len=32)
+    sampled = engine.generate([Request(1, prompt, SamplingParams(max_new_tokens=8))])[0].token_ids
+    assert len(set(sampled[:4])) == 4  # distinct tokens, so the texts below belong to one position each
+    vocabulary = [f"<{i}>" for i in range(49152)]
+    vocabulary[sampled[2]], vocabulary[sampled[3]] = "ab</ca", "lc>zz"  # the stop string ends inside token 3
+    stops = SamplingParams(max_new_tokens=8, stop_strings=("</calc>",))
+    with pytest.raises(ValueError, match="use_vocabulary"):
+        engine.add(Request(1, prompt, stops))
+    engine.use_vocabulary(vocabulary)
+    stopped = engine.generate([Request(1, prompt, stops)])[0]  # the same request id samples the same tokens
+    assert stopped.finish_reason == "stop" and stopped.token_ids == sampled[:4]
+
+
+def test_an_engine_that_cannot_stop_on_text_is_cut_after_the_stop_string():
+    from engines.base import Completion, cut_at_stop_string
+
+    vocabulary = ["a", "<ca", "lc>", "1+1", "</ca", "lc>x", "zz"]
+    done = Completion(5, [9], [1, 2, 3, 4, 5, 6], [-1.0] * 6, [0] * 6, "length")
+    cut = cut_at_stop_string(done, ("</calc>",), vocabulary)
+    assert cut.token_ids == [1, 2, 3, 4, 5] and cut.finish_reason == "stop" and len(cut.logprobs) == 5
+    assert cut_at_stop_string(done, ("</python>",), vocabulary) == done

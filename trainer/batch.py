@@ -19,10 +19,13 @@ class Batch:
     segments: torch.Tensor  # [G, L] 0 prompt, i + 1 completion i, PAD padding
     gather: torch.Tensor  # [G, K * T] row index whose output predicts completion token t
     targets: torch.Tensor  # [G * K, T] completion tokens (0 in padding)
-    mask: torch.Tensor  # [G * K, T] float, 1.0 on completion tokens
-    behav_logprobs: torch.Tensor  # [G * K, T]
-    versions: torch.Tensor  # [G * K, T] policy version that sampled each token
+    # [G * K, T] float, 1.0 on the tokens the policy sampled (the record's loss mask): 0.0 on padding and on the
+    # environment's tokens of a multi-turn episode, which every loss, count and diagnostic leaves out
+    mask: torch.Tensor
+    behav_logprobs: torch.Tensor  # [G * K, T], 0 where mask is 0
+    versions: torch.Tensor  # [G * K, T] policy version that sampled each token (-1 where mask is 0)
     rewards: torch.Tensor  # [G * K]
+    lens: torch.Tensor  # [G * K] completion tokens, sampled or not
     group_size: int
 
     @property
@@ -37,15 +40,14 @@ class Batch:
         """Groups [start, stop) as a smaller batch, trimmed to its own longest row and completion."""
         k = self.group_size
         seqs = slice(start * k, stop * k)
-        mask = self.mask[seqs]
-        t = max(int(mask.sum(1).max()), 1)
+        t = max(int(self.lens[seqs].max()), 1)
         seg = self.segments[start:stop]
         length = int((seg != PAD).sum(1).max())
         steps = self.mask.shape[1]
         gather = self.gather[start:stop].view(-1, k, steps)[:, :, :t].reshape(stop - start, k * t)
         return Batch(self.input_ids[start:stop, :length], self.position_ids[start:stop, :length], seg[:, :length],
-                     gather, self.targets[seqs, :t], mask[:, :t], self.behav_logprobs[seqs, :t],
-                     self.versions[seqs, :t], self.rewards[seqs], k)
+                     gather, self.targets[seqs, :t], self.mask[seqs, :t], self.behav_logprobs[seqs, :t],
+                     self.versions[seqs, :t], self.rewards[seqs], self.lens[seqs], k)
 
     def to(self, device) -> "Batch":
         """The same batch on `device` (itself, tensor by tensor, when it is already there)."""
@@ -83,13 +85,15 @@ def pack(groups: list) -> Batch:
             # token 0 is predicted by the prompt's last position, token t by completion token t - 1
             gather[row, i, :c] = torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + c - 1)])
             targets[seq, :c] = tokens
-            mask[seq, :c] = 1.0
-            behav[seq, :c] = g.logprobs[i, :c]
-            versions[seq, :c] = g.versions[i, :c]
+            sampled = g.loss_mask[i, :c]
+            mask[seq, :c] = sampled.float()
+            # Whatever the record holds where the policy sampled nothing stays out of every product with the mask.
+            behav[seq, :c] = torch.where(sampled, g.logprobs[i, :c], 0.0)
+            versions[seq, :c] = torch.where(sampled, g.versions[i, :c], -1)
             rewards[seq] = g.rewards[i]
             offset += c
     return Batch(input_ids, position_ids, segments, gather.view(count, k * steps), targets, mask, behav, versions,
-                 rewards, k)
+                 rewards, torch.tensor([n for row in lens for n in row]), k)
 
 
 def micro_batches(row_lens: list[int], ranks: int, max_groups: int, max_tokens: int) -> list[list[tuple[int, int]]]:

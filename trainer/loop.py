@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 import algos
 from buffer.replay import ReplayBuffer
+from buffer.ring import FINISH_REASONS
 from buffer.staleness import lag, too_old
 from launch.cores import Threads, step_runs_alone
-from launch.shared import SANDBOX_KILLS, Shared
+from launch.shared import EPISODE_COUNTERS, SANDBOX_KILLS, Shared
 from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
@@ -92,6 +93,8 @@ class _Loop:
         self.heart = args.shared.heart(f"trainer-{args.rank.rank}")
         self.max_staleness, self.batch_groups, self.workers = cfg.max_staleness, cfg.train.batch_groups, args.workers
         self.eval_every, self.checkpoint_cfg, self.start_step = cfg.eval.every, cfg.checkpoint, setup.resume_step
+        self.multi_turn = setup.multi_turn
+        self.last_episodes = (0, 0)  # rank 0: (episodes, successes) counted at the last row
         # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
         self.next_group: dict[int, int] = {}
         elapsed = 0.0
@@ -144,7 +147,8 @@ class _Loop:
                 # reward and staleness describe the fresh data (the current policy's); replay has its own
                 info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
                         "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
-                        **self.replay.stats(), **_staleness(fresh, version)}
+                        **self.replay.stats(), **_staleness(fresh, version),
+                        **(_episodes(fresh) if self.multi_turn else {})}
                 payload = (batch, info, {"perf/wait_s": wait_time, "perf/train_threads": self._step_threads()})
             except Stopped:
                 pass
@@ -172,6 +176,8 @@ class _Loop:
         # After the last step the workers stop and none is restarted; the row counts every restart.
         shared = self.shared
         counts = shared.finish.set(lambda: _counts(shared)) if step == self.steps else _counts(shared)
+        if self.multi_turn:
+            counts.update(self._episode_counts())
         now, tokens = time.time(), counts.pop("tokens")
         last_time, last_tokens = self.last_row
         train_time = perf["perf/train_step_s"]
@@ -184,10 +190,24 @@ class _Loop:
             "reward/batch_mean": batch.rewards.mean().item(),
             "perf/train_step_s": train_time, "perf/wait_s": perf["perf/wait_s"],
             "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
-            **_peak_memory(self.learner.device), "perf/completion_len": batch.mask.sum(1).mean().item(),
+            **_peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
             **counts, **info, **metrics, **results,
         })
         self.last_row = (now, tokens)
+
+    def _episode_counts(self) -> dict:
+        """The workers' episode counters (episode/<name>, totals so far), the success rate of the episodes ended
+        since the last row, and the share of an episode's time spent waiting for its environment."""
+        total = self.shared.counters.total
+        out = {f"episode/{name}": total(name) for name in EPISODE_COUNTERS}
+        episodes, successes = total("episodes"), total("successes")
+        last_episodes, last_successes = self.last_episodes
+        if episodes > last_episodes:
+            out["episode/success_rate"] = (successes - last_successes) / (episodes - last_episodes)
+        self.last_episodes = (episodes, successes)
+        waited = total("model_ms") + total("env_ms")
+        out["episode/env_time_frac"] = total("env_ms") / waited if waited else 0.0
+        return out
 
     def _evaluate(self, step: int) -> dict:
         self.heart.beat("evaluate")
@@ -289,6 +309,30 @@ def _staleness(fresh: list, version: int) -> dict:
     """Policy-version lag of the fresh (not replayed) groups in the batch."""
     lags = [lag(g, version) for g in fresh] or [0]
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags)}
+
+
+def _episodes(fresh: list) -> dict:
+    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, and the
+    spread of policy versions inside one episode (a weight update mid-episode is legal)."""
+    turns = torch.cat([g.turns for g in fresh]).float()
+    lens = torch.cat([g.completion_lens for g in fresh]).float()
+    finish = torch.cat([g.finish for g in fresh])
+    policy = env = 0
+    spreads = []
+    for g in fresh:
+        valid = torch.arange(g.completion_ids.shape[1]) < g.completion_lens[:, None]
+        sampled = valid & g.loss_mask
+        policy, env = policy + int(sampled.sum()), env + int((valid & ~g.loss_mask).sum())
+        for row, mask in zip(g.versions, sampled):
+            versions = row[mask]
+            spreads.append(int(versions.max() - versions.min()) if len(versions) else 0)
+    out = {"episode/turns_mean": turns.mean().item(), "episode/turns_max": turns.max().item(),
+           "episode/len_p50": lens.quantile(0.5).item(), "episode/len_p90": lens.quantile(0.9).item(),
+           "episode/len_max": lens.max().item(), "episode/policy_tokens": policy, "episode/env_tokens": env,
+           "episode/version_spread_mean": sum(spreads) / len(spreads), "episode/version_spread_max": max(spreads)}
+    for code, reason in enumerate(FINISH_REASONS):
+        out[f"episode/finish_{reason}"] = (finish == code).float().mean().item()
+    return out
 
 
 def _kept_and_dropped(kept: list, dropped: list) -> dict:
