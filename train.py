@@ -101,6 +101,10 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
+    if task.env is not None:  # the chat template must render an episode turn by turn
+        from envs.render import Renderer
+
+        _or_exit(lambda: Renderer(tokenizer, task.observation_role, task.tools).observation("ok"))
     stop_ids = facts.stop_ids(model_path)
     eval_spec = _eval_spec(cfg, stop_ids)
     rollout, workers = cfg.rollout, plan.rollout_workers

@@ -3,7 +3,8 @@
     python -m bench.agentic [--task arith_retry] [--etas 0,1,2,4] [--latencies 0,1] [--seeds 0,1,2] [--steps 20]
                             [--bar 0.8] [--out bench_out/agentic] [--report-only]
 
-Each run is `train.py task=<task> max_staleness=<eta> env.latency_s=<latency> seed=<seed>`: every environment step
+Each run is `train.py task=<task> max_staleness=<eta> env.latency_s=<latency> seed=<seed>` (turns of at most 8
+tokens, episodes of at most 48: SHORT below): every environment step
 waits a log-normal delay of that mean (env.latency_sigma=1, a long tail), a remote tool's stand-in that uses no
 core. A synchronous trainer (eta 0) waits for the slowest episode of its batch; an asynchronous one trains on
 what has arrived while later episodes wait for their tools. Per (latency, eta), medians over the seeds: time to
@@ -26,6 +27,8 @@ from launch.summary import completed, time_to_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["eval.every=0", "eval.k=1", "eval.max_examples=4", "progress=false", "checkpoint.at_end=false"]
+# Short turns ("Reply with just the number" needs a few tokens), so the bench's runs fit an hour on 2 cores.
+SHORT = ["env.max_turn_tokens=8", "rollout.max_new_tokens=48"]
 
 
 def run_dir(out: str, latency: float, eta: int, seed: int) -> str:
@@ -37,7 +40,7 @@ def run(out: str, task: str, latency: float, eta: int, seed: int, steps: int) ->
     if completed(folder, steps):
         return
     args = [f"task={task}", f"max_staleness={eta}", f"env.latency_s={latency:g}", f"seed={seed}", f"steps={steps}",
-            *COMMON, f"hydra.run.dir={folder}"]
+            *COMMON, *SHORT, f"hydra.run.dir={folder}"]
     print("train.py " + " ".join(args), flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()

@@ -371,3 +371,87 @@ def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environm
         if task == "guess_number":  # a random model's replies rarely hold a number, or a tool call (calc_tool)
             assert row["episode/env_tokens"] > 0 and row["episode/resumed_prefills"] > 0 and row["episode/env_ms"] > 0
     assert rows[-1]["episode/template_checks"] >= 1 and "eval_pass@1" in rows[-1] and rows[-1]["eval_examples"] == 4
+
+
+def test_gsm8k_with_the_python_tool_and_code_with_test_feedback_run_their_episodes(tokenizer, tmp_path):
+    """The GPU users' tasks, driven on the CPU: a python call in the sandbox then the final answer (gsm8k_tool);
+    a failing program, the share of tests passed as feedback, then a passing one at a discount (code_retry)."""
+    import json
+
+    import tasks
+    from tests.helpers import require_sandbox
+
+    require_sandbox()
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {i} times 7?", "answer": f"#### {7 * i}"})
+                              for i in range(1, 9)) + "\n")
+    problems = tmp_path / "code.jsonl"
+    problems.write_text(json.dumps({"question": "Write add(a, b).", "tests": ["assert add(1, 2) == 3",
+                                                                             "assert add(2, 2) == 4"]}) + "\n")
+    fence = "```"
+    cases = (
+        ("gsm8k_tool", {"path": str(data), "format": "tags", "test_size": 2},
+         ["<python>print(6 * 7)</python>", "So #### 42"], Example("What is 6 times 7?", "#### 42"), 1.0,
+         {"tool_calls": 1}),
+        ("code_retry", {"path": str(problems), "test_size": 0},
+         [f"{fence}python\ndef add(a, b):\n    return a {op} b\n{fence}" for op in "-+"],
+         None, 0.5, {}),
+    )
+    for name, options, replies, example, reward, counted in cases:
+        module = tasks.get(name)
+        task = module.build(module.Config(**options), seed=0)
+        example = example or task.train[0]
+        engine = ScriptEngine(tokenizer, lambda key, turn: (replies[turn], True))
+        counts = {}
+        turns = Turns(engine, tokenizer, task, EnvConfig(max_turns=3, max_turn_tokens=64),
+                      SamplingParams(1.0, 1.0, 512, (2,)), 512, 0,
+                      lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
+        episode, = drive(turns, engine, example=example)
+        assert (episode.finish, episode.turns, episode.reward) == ("done", 2, reward), name
+        assert {k: counts.get(k, 0) for k in counted} == counted, name
+        turns.close()
+
+
+# A chat template in the manner of Qwen2.5's (written here, shortened): tool schemas in the system turn, tool
+# answers as user turns wrapped in <tool_response>.
+QWEN_LIKE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nYou may call functions:\\n<tools>' }}{%- for t in tools %}"
+    "{{- '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall one as <tool_call>{json}</tool_call>.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_the_hermes_format_goes_through_the_models_own_template(tokenizer_dir):
+    import tasks
+
+    qwen = AutoTokenizer.from_pretrained(tokenizer_dir)
+    qwen.chat_template = QWEN_LIKE
+    task = tasks.get("calc_tool").build(tasks.get("calc_tool").Config(format="hermes"), seed=0)
+    example = Example("What is 12 * 34? Use the calc tool, then give the final number.", "408")
+    replies = ['<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>', "It is 408."]
+    engine = ScriptEngine(qwen, lambda key, turn: (replies[turn], False))  # the first turn ends on its stop string
+    counts = {}
+    turns = Turns(engine, qwen, task, EnvConfig(max_turns=3, max_turn_tokens=64), SamplingParams(1.0, 1.0, 256, (2,)),
+                  256, 0, lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
+    episode, = drive(turns, engine, example=example)
+    assert (episode.finish, episode.reward, counts.get("tool_calls")) == ("done", 1.0, 1)
+    prompt = qwen.decode(episode.prompt_ids)
+    assert '"name": "calc"' in prompt and "<tools>" in prompt  # the schema, rendered by the template
+    between = qwen.decode([t for t, m in zip(episode.token_ids, episode.mask) if not m])
+    assert between == "<|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n" \
+                      "<|im_start|>assistant\n"
+    assert turns.matches_rendering(episode)
+    turns.close()
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer_dir):
+    from envs.render import Renderer
+
+    counting = AutoTokenizer.from_pretrained(tokenizer_dir)
+    counting.chat_template = ("{{- 'turns: ' + (messages | length | string) + '\\n' }}{%- for m in messages %}"
+                              "{{- m.role + ': ' + m.content + '<|im_end|>\\n' }}{%- endfor %}")
+    with pytest.raises(ValueError, match="not incremental"):
+        Renderer(counting).observation("Too low.")
