@@ -89,8 +89,8 @@ def main():
     latencies = [float(x) for x in args.latencies.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report_only:
-        for latency in latencies:
-            for seed in seeds:
+        for seed in seeds:  # a whole comparison per seed first: a bench stopped part way has whole seeds
+            for latency in latencies:
                 for eta in etas:
                     run(args.out, args.task, latency, eta, seed, args.steps)
     print(f"\ntask={args.task}, {args.steps} steps, seeds {args.seeds}, medians over seeds\n")
