@@ -57,7 +57,7 @@ def test_examples(task, spec: EvalSpec) -> list:
 
 def longest_request(task, tokenizer, spec: EvalSpec) -> int:
     """Prompt + completion tokens of the longest evaluation request: a built-in engine's max_len."""
-    prompts = (len(tasks.first_prompt_ids(tokenizer, task, ex)) for ex in test_examples(task, spec))
+    prompts = map(len, tasks.first_prompts(tokenizer, task, test_examples(task, spec)))
     return max(prompts, default=0) + spec.max_new_tokens
 
 

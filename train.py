@@ -285,7 +285,7 @@ def _max_prompt_len(tokenizer, task, budget: int, long_prompts: str) -> int:
     """The ring's prompt width: the longest training prompt, or the budget if one is set and some exceed it."""
     import tasks
 
-    lengths = [len(tasks.first_prompt_ids(tokenizer, task, ex)) for ex in task.train]
+    lengths = [len(ids) for ids in tasks.first_prompts(tokenizer, task, task.train)]
     if not budget or budget >= max(lengths):
         return max(lengths)
     if long_prompts == "skip" and min(lengths) > budget:

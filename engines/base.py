@@ -64,16 +64,23 @@ def check_request(request: Request, max_len: int | None = None) -> None:
         raise ValueError(f"request {request.request_id}: need temperature >= 0 and 0 < top_p <= 1")
 
 
+def completes_stop_string(text: str, piece: str, stop_strings: tuple[str, ...]) -> bool:
+    """Whether `text`, which ends with the newest token's `piece`, now holds a stop string: one may end inside
+    that token's text, never before it (it would have stopped earlier)."""
+    tail = text[-(max(map(len, stop_strings)) + len(piece)):]
+    return any(stop in tail for stop in stop_strings)
+
+
 def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...], vocabulary: list[str]) -> Completion:
     """`completion` ended at the first token whose text completes a stop string (reason "stop"): for an engine that
     cannot stop on text itself, at the price of the tokens it sampled past it."""
     if not stop_strings:
         return completion
-    text, longest = "", max(map(len, stop_strings))
+    text = ""
     for n, token in enumerate(completion.token_ids, 1):
         piece = vocabulary[token]
         text += piece
-        if any(stop in text[-(longest + len(piece)):] for stop in stop_strings):
+        if completes_stop_string(text, piece, stop_strings):
             return Completion(completion.request_id, completion.prompt_ids, completion.token_ids[:n],
                               completion.logprobs[:n], completion.versions[:n], "stop")
     return completion

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.arch import forward_for
-from engines.base import Completion, Request, check_request
+from engines.base import Completion, Request, check_request, completes_stop_string
 from engines.buckets import unpack
 
 
@@ -37,9 +37,7 @@ class Sequence:
         if params.stop_strings:
             piece = vocabulary[token]
             self.text += piece
-            # a stop string may end inside this token's text, never before it: it would have stopped earlier
-            tail = self.text[-(max(map(len, params.stop_strings)) + len(piece)):]
-            if any(stop in tail for stop in params.stop_strings):
+            if completes_stop_string(self.text, piece, params.stop_strings):
                 return "stop"
         return "length" if len(self.token_ids) >= params.max_new_tokens else None
 

@@ -14,7 +14,7 @@ key plus `turn << TURN_SHIFT`, so turn 0 samples exactly what a one-shot request
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from buffer.ring import FINISH_REASONS
 from engines.base import Completion, Request, SamplingParams
@@ -79,8 +79,7 @@ class Turns:
         self.rng = random.Random(seed)
         self.finished = 0
         if self.multi and task.stop_strings:
-            self.params = SamplingParams(params.temperature, params.top_p, params.max_new_tokens,
-                                         params.stop_token_ids, tuple(task.stop_strings))
+            self.params = replace(params, stop_strings=tuple(task.stop_strings))
             engine.use_vocabulary(vocabulary(tokenizer))
         specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
         self.specials = sorted((s for s in specials if len(s) > 1), key=len, reverse=True)
@@ -110,8 +109,7 @@ class Turns:
         room = self.budget - len(episode.token_ids)
         limit = min(self.cfg.max_turn_tokens, room) if self.multi else room
         last_turn = not self.multi or episode.turns + 1 >= self.cfg.max_turns
-        params = self.params if limit == self.params.max_new_tokens else SamplingParams(
-            self.params.temperature, self.params.top_p, limit, self.params.stop_token_ids, self.params.stop_strings)
+        params = self.params if limit == self.params.max_new_tokens else replace(self.params, max_new_tokens=limit)
         request_id = episode.key + (episode.turns << TURN_SHIFT)
         resume = episode.last_request if episode.turns else None
         self.engine.add(Request(request_id, prompt, params, park=not last_turn, resume=resume))

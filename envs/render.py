@@ -47,10 +47,6 @@ class Renderer:
                              "multi-turn episodes need one that only appends")
         return self.tokenizer(full[self.cut:], add_special_tokens=False)["input_ids"]
 
-    def conversation(self, messages: list[dict]) -> list[int]:
-        """A whole conversation rendered at once, ending with an assistant header (the re-rendering check)."""
-        return self.prompt(messages)
-
 
 def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
     """At most `limit` tokens: the head and the tail of `ids` around `marker` (an observation too long)."""

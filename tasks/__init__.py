@@ -69,10 +69,11 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def first_prompt_ids(tokenizer, task: Task, example: Example) -> list[int]:
-    """The first prompt of an episode of `example` (a one-shot task's: `prompt_ids` of its question)."""
+def first_prompts(tokenizer, task: Task, examples: list[Example]) -> list[list[int]]:
+    """The first prompt of an episode of each example (a one-shot task's: `prompt_ids` of its question)."""
     if task.env is None:
-        return prompt_ids(tokenizer, example.question)
+        return [prompt_ids(tokenizer, example.question) for example in examples]
     from envs.render import Renderer
 
-    return Renderer(tokenizer, task.observation_role, task.tools).prompt(task.messages(example))
+    renderer = Renderer(tokenizer, task.observation_role, task.tools)
+    return [renderer.prompt(task.messages(example)) for example in examples]

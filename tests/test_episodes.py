@@ -29,17 +29,14 @@ class ScriptEngine:
 
     def __init__(self, tokenizer, reply, version=0):
         self.tokenizer, self.reply, self.version = tokenizer, reply, version
-        self.waiting, self.requests = [], []
+        self.requests, self.done = [], 0
 
     def add(self, request):
-        self.waiting.append(request)
         self.requests.append(request)
 
     def step(self):
-        out, self.waiting = [], []
-        for r in self.requests[len(self.requests) - len(self._pending()):]:
-            pass
-        for r in self._pending():
+        out = []
+        for r in self.requests[self.done:]:
             key, turn = r.request_id & KEY_MASK, r.request_id >> TURN_SHIFT
             text, stopped = self.reply(key, turn)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:r.params.max_new_tokens]
@@ -48,11 +45,8 @@ class ScriptEngine:
                 ids = ids + [2]
             out.append(Completion(r.request_id, r.prompt_ids, ids, [-0.5] * len(ids), [self.version] * len(ids),
                                   reason))
-        self.done = getattr(self, "done", 0) + len(out)
+        self.done += len(out)
         return out
-
-    def _pending(self):
-        return self.requests[getattr(self, "done", 0):]
 
     def use_vocabulary(self, texts):
         pass
@@ -61,7 +55,7 @@ class ScriptEngine:
         return 0
 
     def num_waiting(self):
-        return len(self.requests) - getattr(self, "done", 0)
+        return len(self.requests) - self.done
 
 
 class Echo:
@@ -190,7 +184,6 @@ def test_every_loss_ignores_masked_tokens_whatever_they_hold():
 def test_the_trainer_batch_reads_the_record_mask():
     from trainer.batch import pack
 
-    engine_reply = ["<calc>2*3</calc>", "6"]
     group_mask = torch.tensor([[True, True, False, False, True], [True, True, True, False, False]])
     from buffer.ring import Group
 
@@ -201,11 +194,11 @@ def test_the_trainer_batch_reads_the_record_mask():
     assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]]
     assert batch.behav_logprobs[0].tolist() == [99.0, 99.0, 0.0, 0.0, 99.0]
     assert batch.versions[0].tolist() == [7, 7, -1, -1, 7] and batch.lens.tolist() == [5, 3]
-    assert batch.groups(0, 1).targets.shape[1] == 5 and engine_reply  # trimmed by lengths, not by the mask
+    assert batch.groups(0, 1).targets.shape[1] == 5  # trimmed by lengths, not by the mask
 
 
-def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tokenizer_dir, tokenizer):
-    model = LlamaForCausalLM.from_pretrained(tokenizer_dir if False else _tiny(tokenizer_dir), dtype=torch.float32)
+def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tiny_model_dir, tokenizer):
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = BuiltinEngine(model, max_batch=4, max_len=512)
     turns = make_turns(tokenizer, engine, lambda: Echo(turns=3), max_turn_tokens=6)
     example = Example("Guess a number from 1 to 9.", "5")
@@ -229,27 +222,6 @@ def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tokenizer
     from trainer.loop import _episodes
 
     assert _episodes([group])["episode/version_spread_max"] == 1
-
-
-def _tiny(tokenizer_dir):
-    return _TINY.setdefault("dir", _make_tiny(tokenizer_dir))
-
-
-_TINY = {}
-
-
-def _make_tiny(tokenizer_dir):
-    import tempfile
-
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    out = tempfile.mkdtemp(prefix="tiny_episode_model")
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 @dataclass
@@ -314,9 +286,7 @@ def test_a_flooding_or_template_breaking_tool_is_cut_and_defused(tokenizer):
     counts = {}
     turns = make_turns(tokenizer, engine, lambda: Echo(lambda: next(answers), turns=3), counts=counts,
                        max_observation_tokens=64)
-    started = time.monotonic()
-    episode, = drive(turns, engine)
-    assert time.monotonic() - started < 10
+    episode, = drive(turns, engine)  # drive() fails if the episodes never end
     assert episode.finish == "done" and counts["observations_cut"] == 1 and counts["observations_sanitized"] >= 1
     env_ids = [t for t, m in zip(episode.token_ids, episode.mask) if not m]
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
