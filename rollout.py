@@ -119,6 +119,12 @@ class RolloutWorker:
         self.open: dict[int, tuple[int, dict[int, Episode]]] = {}  # group id -> (prompt index, {sample: episode})
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
+    def _decoding(self, decoding: bool) -> None:
+        """Tell the trainer whether this worker is decoding: a shared step takes its core while it is not
+        (launch/cores.py)."""
+        if self.shared.cores is not None:
+            self.shared.cores.worker_decoding(self.worker, decoding)
+
     def _count(self, name: str, n: int = 1) -> None:
         self.counters.add(self.worker, name, n)
 
@@ -136,6 +142,7 @@ class RolloutWorker:
                 return  # rollouts ended while the ring was full
             self.collect_episodes(self.turns.poll())
             if self.engine.num_running() + self.engine.num_waiting() == 0:
+                self._decoding(False)
                 if self.turns.busy():
                     heart.beat("env_wait")
                     time.sleep(0.002)  # every episode waits for its environment; the gate may open meanwhile
@@ -147,10 +154,12 @@ class RolloutWorker:
                     if self.shared.gate.wait_start(timeout=0.2):
                         self.start_group()
                 continue
+            self._decoding(True)
             if self.shared.cores is not None:  # the cores go where the work is (launch/cores.py)
                 self.threads.set(self.shared.cores.worker_threads())
             heart.beat("generate")
             self.collect(self.engine.step())
+        self._decoding(False)
         heart.beat("done")
 
     def start_group(self) -> None:
@@ -217,6 +226,7 @@ class RolloutWorker:
             group = to_group(scored.episodes, scored.rewards.result(), scored.prompt_index, scored.group_id,
                              self.worker)
             while not self.shared.ring.put(group, timeout=0.5):
+                self._decoding(False)  # the ring is full: nothing decodes until the trainer takes a group
                 self.heart.beat("ring_put")
                 if self.shared.rollouts_over():
                     return False

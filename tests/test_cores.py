@@ -1,7 +1,9 @@
-"""Where the cores go (launch/cores.py): the phase table, read across processes, and the rule for a step alone."""
+"""Where the cores go (launch/cores.py): the phase table, read across processes, the rule for a step alone, and
+a shared step following the workers layer by layer."""
+import torch
 import torch.multiprocessing as mp
 
-from launch.cores import ALONE, SHARED, WAITING, Cores, Threads, step_runs_alone
+from launch.cores import ALONE, SHARED, WAITING, Cores, Threads, follow_workers, step_runs_alone
 
 
 def test_asynchronous_run_moves_cores_with_the_phase():
@@ -41,8 +43,68 @@ def test_a_step_runs_alone_only_when_nothing_can_generate():
     assert not step_runs_alone(gate_exhausted=False, in_flight=0)  # the gate would let a new one start
 
 
+def test_a_shared_step_takes_the_cores_of_a_worker_that_does_not_decode():
+    cores = Cores(cores=4, workers=2, ranks=1, max_staleness=2)
+    cores.trainer_step(alone=False)
+    assert cores.moves_in_step and cores.trainer_now() == 4  # no worker decodes: every core
+    cores.worker_decoding(1, True)
+    assert cores.trainer_now() == 1  # one decodes: the step shares (4 // (2 + 1))
+    cores.worker_decoding(1, False)
+    cores.worker_decoding(0, True)
+    assert cores.trainer_now() == 1
+    cores.worker_decoding(0, False)
+    assert cores.trainer_now() == 4
+    cores.worker_decoding(0, True)
+    cores.trainer_step(alone=True)
+    assert cores.trainer_now() == 4  # a step alone keeps its count whatever the flags say
+
+
+def test_synchronous_and_fixed_steps_never_move():
+    for cores in (Cores(cores=4, workers=1, ranks=1, max_staleness=0), Cores(4, 1, 1, max_staleness=2, fixed=3)):
+        assert not cores.moves_in_step
+        cores.trainer_step(alone=False)
+        expected = cores.trainer_now()
+        cores.worker_decoding(0, True)
+        assert cores.trainer_now() == expected == (3 if cores.fixed else 4)
+
+
+def test_follow_workers_sets_threads_before_each_layer_forward_and_backward(monkeypatch):
+    """Two layers: their forwards read the flags as they are then, and so do their backwards, in reverse order;
+    the flag flipped between forward and backward shows in the backward's counts."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    cores = Cores(cores=2, workers=1, ranks=1, max_staleness=1)
+    cores.trainer_step(alone=False)
+    threads = Threads()
+    threads.current = 1
+    layers = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)]
+    handles = follow_workers(layers, cores, threads)
+    x = torch.randn(2, 3)
+    out = layers[1](layers[0](x)).sum()
+    assert calls == [2]  # no worker decoded: both forwards on 2 threads (set once, then unchanged)
+    cores.worker_decoding(0, True)
+    out.backward()
+    assert calls == [2, 1]  # a worker decodes: the backwards on 1
+    for handle in handles:
+        handle.remove()
+    layers[0](x).sum().backward()
+    assert calls == [2, 1]  # hooks removed: nothing set
+
+
+def test_threads_mean_is_weighted_by_time(monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    clock = iter([0.0, 0.0, 1.0, 4.0])  # construction, mark, set at 1 s, mean at 4 s
+    monkeypatch.setattr("launch.cores.time.perf_counter", lambda: next(clock))
+    threads = Threads()
+    threads.current = 2
+    threads.mark()
+    threads.set(1)
+    assert threads.mean() == (2 * 1 + 1 * 3) / 4
+
+
 def _worker_reads(cores, out):
     out.put(cores.worker_threads())
+    cores.worker_decoding(0, True)
 
 
 def test_the_phase_crosses_spawn():
@@ -54,7 +116,7 @@ def test_the_phase_crosses_spawn():
     p.start()
     p.join(60)
     assert out.get(timeout=5) == 2 and cores.phase == SHARED
-
+    assert cores.trainer_now() == 2  # the worker's flag crossed back: it decodes, so the step shares
 
 def test_threads_sets_torch_only_on_a_change(monkeypatch):
     import torch

@@ -12,12 +12,13 @@ import algos
 from buffer.replay import ReplayBuffer
 from buffer.ring import FINISH_REASONS
 from buffer.staleness import lag, too_old
-from launch.cores import Threads, step_runs_alone
+from launch.cores import Threads, follow_workers, step_runs_alone
 from launch.shared import EPISODE_COUNTERS, SANDBOX_KILLS, Shared
 from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
+from trainer.policy import decoder_layers
 
 if TYPE_CHECKING:
     from evaluate import Evaluator
@@ -102,6 +103,9 @@ class _Loop:
             elapsed = self._restore(setup.resume_path)
         self.saved = self.start_step  # the newest checkpoint's step
         self.threads = Threads()
+        cores = self.shared.cores
+        if cores is not None and cores.moves_in_step and not cfg.train.compile:  # a compiled stack takes no hooks
+            follow_workers(decoder_layers(learner.policy.lm), cores, self.threads)
         self.start = time.time() - elapsed
         self.last_row = (self.start, 0)  # rank 0: (time, tokens generated so far) at the last row
 
@@ -114,8 +118,10 @@ class _Loop:
             phase = "first_step" if step == self.start_step + 1 else "train_step"  # the first may compile
             self.learner.beat = lambda: self.heart.beat(phase)
             t0 = time.time()
+            self.threads.mark()
             metrics = self.learner.step(batch, step)
             perf["perf/train_step_s"] = time.time() - t0
+            perf["perf/train_threads"] = self.threads.mean()  # time-weighted: a shared step follows the workers
             self.heart.beat("publish")
             t0 = time.time()
             self.learner.publish(self.publish, step)
