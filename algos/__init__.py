@@ -67,7 +67,7 @@ def correction_weights(cfg: PGConfig, prox: torch.Tensor, behav: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """[n, T] logprobs of pi_prox and pi_behav, mask -> c [n, T] (PGConfig's docstring; 0 on padding), metrics."""
     with torch.no_grad():
-        log_w = (prox - behav) * mask  # [n, T]
+        log_w = torch.where(mask > 0, prox - behav, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [n, T]
         tokens = mask.sum().clamp(min=1).item()
         if cfg.correction == "tis":
             w = log_w.exp()
@@ -82,11 +82,57 @@ def correction_weights(cfg: PGConfig, prox: torch.Tensor, behav: torch.Tensor,
         return w * kept, {"correction/masked_frac": (mask - kept).sum().item() / tokens}
 
 
-def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor) -> dict:
-    """Fractions of the masked tokens whose ratio [n, T] lies below low and above high (the two clipped sides)."""
+LOG_RATIO_LIMIT = 20.0  # |log pi/pi'| beyond this is clamped before exp: e^20 is finite, e^89 is not (fp32)
+
+
+def safe_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) [n, T], exactly 1 where mask is 0 and from a log-ratio clamped to +-LOG_RATIO_LIMIT
+    elsewhere: garbage in a masked position (padding, an environment's tokens) can never make inf * 0 = NaN, and
+    an overflowing token gets a large finite ratio (no gradient past the clamp) instead of poisoning the step."""
+    return torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+
+
+def old_policy(cfg: PGConfig, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The logprobs a policy-gradient rule takes its ratio against, each token's weight, and the correction's
+    metrics: pi_behav and the mask, or with algo.correction pi_prox and c_it (PGConfig's docstring)."""
+    if cfg.correction == "none":
+        return mb.behav_logprobs, mb.mask, {}
+    assert mb.prox_logprobs is not None, f"{cfg.name} with a correction needs proximal logprobs"
+    weight, metrics = correction_weights(cfg, mb.prox_logprobs, mb.behav_logprobs, mb.mask)
+    return mb.prox_logprobs, weight, metrics
+
+
+class PGLoss:
+    """What grpo's, gspo's and cispo's Loss share: no reference, and pi_prox only for a correction."""
+    needs_reference = False
+
+    def __init__(self, cfg: PGConfig):
+        self.cfg = cfg
+        self.needs_proximal = cfg.correction != "none"
+
+
+def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor, adv: torch.Tensor) -> dict:
+    """Fractions of the masked tokens that the clip actually cuts, per side: the ratio [n, T] below `low` with a
+    negative advantage, or above `high` with a positive one (adv [n, 1] or [n, T]). A token outside the range
+    on the other side keeps its unclipped term in min(), so it is not counted."""
     tokens = mask.sum().clamp(min=1).item()
-    below, above = ((low - ratio) > 1e-6).float() * mask, ((ratio - high) > 1e-6).float() * mask
+    below = (((low - ratio) > 1e-6) & (adv < 0)).float() * mask
+    above = (((ratio - high) > 1e-6) & (adv > 0)).float() * mask
     return {"clip_frac_low": below.sum().item() / tokens, "clip_frac_high": above.sum().item() / tokens}
+
+
+def clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_high: float,
+                      dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token objective min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) [n, T], and with dual_clip c > 1
+    (Ye et al. 2020) max(that, c A) where A < 0: a very large ratio on a negative advantage cannot push without
+    bound. Returns the objective and the 0/1 mask of tokens the dual clip cut."""
+    clipped = ratio.clamp(1 - eps, 1 + eps_high)
+    objective = torch.min(ratio * adv, clipped * adv)
+    if not dual_clip:
+        return objective, torch.zeros_like(objective)
+    floor = dual_clip * adv
+    dual = (adv < 0) & (objective < floor)
+    return torch.where(dual, floor.expand_as(objective), objective), dual.float()
 
 
 LOSSES = Registry("algo", __name__, os.path.dirname(__file__))  # algos/<name>.py: Config and Loss
@@ -111,6 +157,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
 
 
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-    """[n, T] token logprobs -> [n] log-probability of each completion (over its length if `normalize`)."""
-    total = (logprobs * mask).sum(1)
+    """[n, T] token logprobs -> [n] log-probability of each completion (over its length if `normalize`), each
+    token weighted by `mask` (0/1, or a correction weight); a masked position counts 0 whatever it holds (where,
+    not only a product: inf * 0 is NaN)."""
+    total = torch.where(mask > 0, logprobs * mask, 0.0).sum(1)
     return total / mask.sum(1).clamp(min=1) if normalize else total

@@ -4,18 +4,34 @@
     w_it   = pi_prox(y_it) / pi_behav(y_it)                      behaviour importance weight, no grad
     rho_it = pi_theta(y_it) / pi_prox(y_it)
     l_it   = -w_it * min(rho_it * A_i, clip(rho_it, 1 - eps, 1 + eps_high) * A_i)
+             (dual_clip c > 1, for A_i < 0: -w_it * max(min(...), c * A_i); Ye et al. 2020)
     L      = sum_{it: w_it <= cap} l_it / batch_tokens           tokens with w_it > cap are masked out
 
 pi_prox: the weights before this batch's first update (mb.prox_logprobs; with train.minibatches = 1, the
 current weights); decoupled: false sets pi_prox = pi_behav (w = 1). algo.correction (algos.PGConfig)
-replaces w_it and the cap's masking with its own weight c_it.
+replaces w_it and the cap's masking with its own weight c_it. Ratios come from log-ratios clamped to +-20
+(algos.safe_ratio), so a masked token's garbage never turns into inf * 0 = NaN.
+
+No trust region at train.minibatches = 1: the ratio's pi_prox is then the forward's own detached logprobs,
+so rho = 1 and the clip never acts (l = -w A, decoupled PPO's importance-weighted policy gradient). The clip
+bites from the second minibatch on (train.minibatches > 1), as in AReaL's runs; the default keeps
+minibatches = 1, the fastest to reward here (docs/benchmarks.md, "Time to reward"), and the
+behaviour weight's cap still bounds how far stale data can pull.
 Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = G * K.
 """
 from dataclasses import dataclass
 
 import torch
 
-from algos import MicroBatch, PGConfig, clip_fractions, correction_weights, group_advantages
+from algos import (
+    MicroBatch,
+    PGConfig,
+    clip_fractions,
+    clipped_objective,
+    correction_weights,
+    group_advantages,
+    safe_ratio,
+)
 from registry import require
 
 
@@ -27,11 +43,14 @@ class Config(PGConfig):
     behav_weight_cap: float = 5.0  # tokens with pi_prox/pi_behav above this are masked out (correction: none)
     decoupled: bool = True  # proximal policy separate from behaviour (false: standard PPO)
     scale_std: bool = True  # divide group-centred rewards by the group's std
+    dual_clip: float = 0.0  # c > 1: a negative advantage's loss is capped at -c * A (0: off)
 
     def check(self):
         require(0 < self.clip_eps < 1, "algo.clip_eps", "must be in (0, 1)", self.clip_eps)
         require(self.clip_eps_high > 0, "algo.clip_eps_high", "must be > 0", self.clip_eps_high)
         require(self.behav_weight_cap > 1, "algo.behav_weight_cap", "must be > 1", self.behav_weight_cap)
+        require(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1",
+                self.dual_clip)
         self.check_correction()
         require(self.correction == "none" or self.decoupled, "algo.correction", "must be none for standard PPO (it "
                 "weights pi_prox / pi_behav, which only decoupled PPO has): set algo.decoupled=true", self.correction)
@@ -54,24 +73,25 @@ class Loss:
         adv = group_advantages(mb.rewards, mb.group_size, scale=cfg.scale_std)[:, None]  # [n, 1]
         correction = {}
         if cfg.correction == "none":
-            weight = torch.exp(prox - mb.behav_logprobs)  # [n, T]
+            weight = safe_ratio(prox - mb.behav_logprobs, mb.mask).detach()  # [n, T]
             kept = mb.mask * (weight <= cfg.behav_weight_cap)  # [n, T]
         else:
             weight, correction = correction_weights(cfg, prox, mb.behav_logprobs, mb.mask)
             kept = mb.mask * (weight > 0)
-        ratio = torch.exp(mb.logprobs - prox)
-        clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
-        per_token = -weight * torch.min(ratio * adv, clipped * adv) * kept
+        ratio = safe_ratio(mb.logprobs - prox, kept)
+        objective, dual = clipped_objective(ratio, adv, cfg.clip_eps, cfg.clip_eps_high, cfg.dual_clip)
+        per_token = -weight * objective * kept
         loss = per_token.sum() / mb.batch_tokens
         with torch.no_grad():
             tokens = mb.mask.sum().clamp(min=1).item()
             kept_tokens = kept.sum().clamp(min=1).item()
-            log_ratio = mb.logprobs - prox
-            sides = clip_fractions(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps_high, kept)
+            log_ratio = torch.where(kept > 0, mb.logprobs - prox, 0.0)
+            sides = clip_fractions(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps_high, kept, adv)
             metrics = {
                 "loss/ppo": per_token.sum().item() / tokens,
-                "ppo/clip_frac": (((ratio - clipped).abs() > 1e-6).float() * kept).sum().item() / kept_tokens,
+                "ppo/clip_frac": sides["clip_frac_low"] + sides["clip_frac_high"],  # tokens the clip cut
                 **{f"ppo/{k}": v for k, v in sides.items()},
+                **({"ppo/dual_clip_frac": (dual * kept).sum().item() / kept_tokens} if cfg.dual_clip else {}),
                 "ppo/behav_weight_masked_frac": (mb.mask - kept).sum().item() / tokens,
                 "ppo/behav_weight_mean": (weight * kept).sum().item() / kept_tokens,
                 "ppo/approx_kl": (((ratio - 1) - log_ratio) * kept).sum().item() / kept_tokens,

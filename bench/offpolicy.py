@@ -1,16 +1,18 @@
 """Off-policy trade-offs: staleness against the learning rule, and updates per batch, on the same 2 cores.
 
-    python -m bench.offpolicy [--steps 10] [--seeds 0,1] [--out bench_out/offpolicy] [--report-only]
+    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--out bench_out/offpolicy] [--report-only]
 
 The grid, each point once per seed (Hydra multiruns of `train.py`, one per rule variant):
-    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, online_dpo, tb}
+    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, dapo, gspo, cispo,
+                                    online_dpo, tb}
     ppo (decoupled) with train.minibatches=4 at max_staleness=2
 on the default arithmetic task and model, at a reduced size (COMMON below) so that the grid takes about an hour on
 2 cores. Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread) and draws
 offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1, against training wall-clock
 (evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the seeds.
-Ends with `offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`. A bench that stopped part way
-reruns only the variants with a missing run.
+Then the seeds' three claims, each marked reproduced, not reproduced or not distinguishable from the test pass@1
+at eta 8 (`claims` below), and `offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`.
+A bench that stopped part way reruns only the variants with a missing run.
 """
 import argparse
 import json
@@ -26,6 +28,9 @@ VARIANTS = {  # name -> overrides; each runs at every eta
     "ppo": ["algo=ppo"],
     "ppo_naive": ["algo=ppo", "algo.decoupled=false"],
     "grpo": ["algo=grpo"],
+    "dapo": ["algo=dapo"],
+    "gspo": ["algo=gspo"],
+    "cispo": ["algo=cispo"],
     "online_dpo": ["algo=online_dpo"],
     "tb": ["algo=tb"],
 }
@@ -75,7 +80,8 @@ def load(run_dir: str) -> dict:
             "pass@1": tests[-1][1] if tests else None, "s_per_step": clock[-1] / len(rows),
             "staleness": mean("staleness_mean"), "dropped": sum(r["staleness/dropped_groups"] for r in rows),
             "offpolicy_kl": mean("offpolicy/kl"), "mismatch_kl": mean("mismatch/kl"), "ess": mean("offpolicy/ess"),
-            "clip_frac": mean("ppo/clip_frac") if mean("ppo/clip_frac") is not None else mean("grpo/clip_frac"),
+            "clip_frac": next((mean(f"{rule}/clip_frac") for rule in ("ppo", "grpo", "dapo", "gspo")
+                               if mean(f"{rule}/clip_frac") is not None), None),
             "entropy": mean("policy/entropy")}
 
 
@@ -105,6 +111,44 @@ def table(results: dict) -> str:
                      f"{f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | {f('mismatch_kl', '{:.1e}')} | "
                      f"{f('ess')} | {f('clip_frac', '{:.3f}')} | {f('entropy')} |")
     return "\n".join(lines)
+
+
+# (who, what they claim, the rule, the rule it beats at eta 8 or None: robust = no worse at eta 8 than at eta 0)
+CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades", "ppo", "ppo_naive"),
+          ("Asynchronous RLHF", "online DPO is robust to off-policy data", "online_dpo", None),
+          ("TBA", "trajectory balance with replay is robust to off-policy data", "tb", None)]
+NOISY = 0.10  # half-spreads adding up to more than this (3 test questions of 32) decide nothing
+
+
+def _pass(runs) -> tuple[float, float]:
+    """Mean final test pass@1 over the seeds, and half their spread."""
+    values = [r["pass@1"] for r in runs if r["pass@1"] is not None]
+    return sum(values) / len(values), (max(values) - min(values)) / 2
+
+
+def claims(results: dict) -> list[str]:
+    """One line per claim: reproduced when the rule at eta 8 beats `against` at eta 8 (or, without one, is no
+    worse than itself at eta 0) by more than the seeds' half-spreads together; not reproduced when it loses by
+    more; not distinguishable when the gap is inside them, or the spreads are too wide to read."""
+    lines = []
+    for who, what, rule, against in CLAIMS:
+        if (rule, 8) not in results or (rule, 0) not in results:
+            continue
+        mean8, spread8 = _pass(results[(rule, 8)])
+        if against:
+            other, spread_o = _pass(results[(against, 8)])
+            gap, noise = mean8 - other, spread8 + spread_o
+            seen = f"{mean8:.2f} ± {spread8:.2f} vs {against} {other:.2f} ± {spread_o:.2f} at eta 8"
+            verdict = "reproduced" if gap > noise and noise <= NOISY else \
+                "not reproduced" if gap < -noise else "not distinguishable"
+        else:
+            mean0, spread0 = _pass(results[(rule, 0)])
+            drop, noise = mean0 - mean8, spread8 + spread0
+            seen = f"{mean8:.2f} ± {spread8:.2f} at eta 8 vs {mean0:.2f} ± {spread0:.2f} at eta 0"
+            verdict = "not reproduced" if drop > noise else \
+                "not distinguishable" if noise > NOISY else "reproduced"
+        lines.append(f"{who}: {what}: {verdict} (test pass@1 {seen})")
+    return lines
 
 
 def plot(results: dict, png: str) -> None:
@@ -148,7 +192,7 @@ def plot(results: dict, png: str) -> None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "offpolicy"))
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()
@@ -163,7 +207,9 @@ def main():
     print(table(results))
     png = os.path.join(args.out, "offpolicy.png")
     plot(results, png)
-    print(f"\nplot: {png}")
+    print(f"\nplot: {png}\n")
+    for line in claims(results):
+        print(line)
     # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not
     ratio = _mean([r["pass@1"] for r in results[("ppo", 8)]]) / \
         max(_mean([r["pass@1"] for r in results[("ppo_naive", 8)]]), 1e-9)

@@ -1,10 +1,12 @@
 """What the learner samples from: FIFO (AReaL) or TBA's mix of fresh groups and reward-weighted replay.
 
 fifo: every added group is returned exactly once, oldest first.
-tba (Trajectory Balance with Asynchrony): each returned group is, with probability `recent_prob`, the oldest
-unused fresh group, otherwise a replayed group: a prompt drawn uniformly among those whose history holds at
-least K distinct completions, then K of those drawn without replacement with probability
-proportional to exp(inv_temp * reward). Either kind falls back to the other when it has nothing to give.
+tba (Trajectory Balance with Asynchrony): each returned group is, with probability `recent_prob`, the newest
+unused fresh group (TBA's on-policy share; fresh groups arrive faster than `recent_prob` x B a step leave, so
+oldest first would serve the backlog at the staleness limit), otherwise a replayed group: a prompt drawn
+uniformly among those whose history holds at least K distinct completions, then K of those drawn without
+replacement with probability proportional to exp(inv_temp * reward). Either kind falls back to the other when
+it has nothing to give.
 
 One process, no shared memory: rank 0 drains the ring into `add`, then calls `sample` for each optimizer step.
 """
@@ -59,6 +61,7 @@ class ReplayBuffer:
         self._replayable: list[int] = []  # prompts holding >= K completions; never shrinks since capacity >= K
         self._next_id = -1
         self._duplicates = 0
+        self._expired = 0  # fresh groups that grew too old before they were sampled (tba keeps them as history)
         self._last: dict[str, float] = dict.fromkeys(
             ("buffer/size", "buffer/age_mean", "buffer/age_max", "buffer/recent_frac", "buffer/prompts",
              "buffer/history"), 0.0)
@@ -90,6 +93,7 @@ class ReplayBuffer:
         how many were expired."""
         before = len(self._fresh)
         self._fresh = deque(g for g in self._fresh if not too_old(g, version, max_staleness))
+        self._expired += before - len(self._fresh)
         return before - len(self._fresh)
 
     def _remember(self, group: Group, version: int) -> None:
@@ -129,7 +133,7 @@ class ReplayBuffer:
         for _ in range(n):
             want_fresh = self.sampler == "fifo" or self._rng.random() < self.recent_prob
             if self._fresh and (want_fresh or not self._replayable):
-                groups.append(self._fresh.popleft())
+                groups.append(self._fresh.popleft() if self.sampler == "fifo" else self._fresh.pop())
                 fresh += 1
             else:
                 groups.append(self._replay())
@@ -186,7 +190,7 @@ class ReplayBuffer:
             "fresh": [vars(g).copy() for g in self._fresh], "prompt_ids": dict(self._prompt_ids),
             "history": {p: [vars(c).copy() for c in h.values()] for p, h in self._history.items()},
             "replayable": list(self._replayable), "next_id": self._next_id, "duplicates": self._duplicates,
-            "last": dict(self._last),
+            "expired": self._expired, "last": dict(self._last),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -199,10 +203,13 @@ class ReplayBuffer:
                          for p, h in state["history"].items()}
         self._replayable = list(state["replayable"])
         self._next_id, self._duplicates, self._last = state["next_id"], state["duplicates"], dict(state["last"])
+        self._expired = state.get("expired", 0)  # a checkpoint from before the count
 
     def stats(self) -> dict[str, float]:
-        """About the last sample() (zeros before the first); duplicates_dropped counts since construction."""
-        return {**self._last, "buffer/duplicates_dropped": float(self._duplicates)}
+        """About the last sample() (zeros before the first); duplicates_dropped and expired count since
+        construction."""
+        return {**self._last, "buffer/duplicates_dropped": float(self._duplicates),
+                "buffer/expired": float(self._expired)}
 
 
 def _as_tuples(value):

@@ -127,7 +127,8 @@ class LoraConfig:
 class TrainConfig:
     batch_groups: int = 4  # B: prompts (groups of K) per optimizer step (4: fastest to reward, bench/time_to_reward.py)
     # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
-    # version advances, once per batch (so max_staleness still counts batches)
+    # version advances, once per batch (so max_staleness still counts batches). At 1, ppo's and grpo's ratio is
+    # exactly 1 on fresh data and their clip never acts (no trust region); 1 is the fastest to reward here
     minibatches: int = 1
     micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
     micro_tokens: int = 4096  # padded tokens per pass, at most: long completions go a few groups at a time (0: off)
@@ -222,6 +223,12 @@ class BufferConfig:
     recent_prob: float = 0.95  # tba: chance that a group is the newest data rather than a replay (TBA's GSM8K value)
     inv_temp: float = 1.0  # tba: replay draws completions with probability ~ exp(inv_temp * reward)
     per_prompt_capacity: int = 64  # tba: newest completions kept per prompt
+    # DAPO's dynamic sampling: a fresh group whose K rewards are all equal (zero advantage, nothing to learn) is
+    # dropped and its budget handed back to the staleness gate, so a worker generates another in its place.
+    dynamic_sampling: bool = False
+    # ... but at most this many such drops per step, in multiples of train.batch_groups; past it the step
+    # trains on tied groups too (counted in dynamic/gave_up) rather than wait forever on a solved task
+    dynamic_max_drops: float = 8.0
 
     def check(self):
         require(self.sampler in ("auto", "fifo", "tba"), "buffer.sampler", "must be auto, fifo or tba", self.sampler)
@@ -229,6 +236,7 @@ class BufferConfig:
         require(self.inv_temp >= 0, "buffer.inv_temp", "must be >= 0", self.inv_temp)
         require(self.per_prompt_capacity >= 1, "buffer.per_prompt_capacity", "must be >= 1",
                 self.per_prompt_capacity)
+        require(self.dynamic_max_drops >= 0, "buffer.dynamic_max_drops", "must be >= 0", self.dynamic_max_drops)
 
 
 @dataclass

@@ -98,6 +98,86 @@ def test_grpo_matches_reference(dr_grpo):
     assert_close(loss, grad, want_loss, want_grad)
 
 
+def dual_token(rho, a, lo, hi, c):
+    """ppo_token with the dual clip: for a < 0 the loss is at most -c a, and then has no gradient."""
+    loss, d = ppo_token(rho, a, lo, hi)
+    if a < 0 and -loss < c * a:  # the objective min(...) = -loss lies below the floor c * a
+        return -c * a, 0.0
+    return loss, d
+
+
+@pytest.mark.parametrize("token_mean,dual_clip", [(True, 0.0), (False, 3.0), (True, 3.0)])
+def test_grpo_token_mean_and_dual_clip_match_reference(token_mean, dual_clip):
+    """DAPO's token-level mean (one normaliser: the batch's tokens) and dual-clip PPO (Ye et al. 2020)."""
+    mb = make_mb(REWARDS, seed=1)
+    with torch.no_grad():  # push a few ratios of negative-advantage rows past c = 3
+        mb.logprobs[0, :2] += 1.5
+        mb.logprobs[4, 0] += 2.0
+    lp, bh, r = rows(mb, "logprobs"), rows(mb, "behav_logprobs"), mb.rewards.tolist()
+    adv, n, tokens = group_adv(r, scale=True), len(r), sum(LENGTHS[:len(r)])
+    want_loss, want_grad, cut = 0.0, [[0.0] * T for _ in range(n)], 0
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            rho = math.exp(lp[i][t] - bh[i][t])
+            token_loss, d = dual_token(rho, adv[i], 0.8, 1.2, dual_clip) if dual_clip else \
+                ppo_token(rho, adv[i], 0.8, 1.2)
+            cut += dual_clip > 0 and (token_loss, d) != ppo_token(rho, adv[i], 0.8, 1.2)
+            norm = tokens if token_mean else LENGTHS[i] * n
+            want_loss += token_loss / norm
+            want_grad[i][t] = d / norm
+    loss, grad, metrics = run(algos.get("grpo"), mb, token_mean=token_mean, dual_clip=dual_clip)
+    assert_close(loss, grad, want_loss, want_grad)
+    if dual_clip:
+        assert cut > 0 and metrics["grpo/dual_clip_frac"] == pytest.approx(cut / tokens)
+
+
+def test_ppo_dual_clip_caps_a_negative_advantage_s_loss():
+    mb = make_mb(REWARDS, seed=1, prox_logprobs=None)
+    mb.prox_logprobs = mb.behav_logprobs.clone()  # w = 1: decoupled PPO is standard PPO here
+    with torch.no_grad():
+        mb.logprobs[0, :2] += 1.5
+    lp, bh, r = rows(mb, "logprobs"), rows(mb, "behav_logprobs"), mb.rewards.tolist()
+    adv, n, tokens = group_adv(r, scale=True), len(r), sum(LENGTHS[:len(r)])
+    want_loss, want_grad = 0.0, [[0.0] * T for _ in range(n)]
+    for i in range(n):
+        for t in range(LENGTHS[i]):
+            token_loss, d = dual_token(math.exp(lp[i][t] - bh[i][t]), adv[i], 0.8, 1.2, 3.0)
+            want_loss, want_grad[i][t] = want_loss + token_loss / tokens, d / tokens
+    loss, grad, metrics = run(algos.get("ppo"), mb, dual_clip=3.0)
+    assert_close(loss, grad, want_loss, want_grad)
+    assert metrics["ppo/dual_clip_frac"] > 0
+
+
+def test_overlong_shaping_is_dapo_s_linear_ramp():
+    from algos.grpo import overlong_shaping
+
+    got = overlong_shaping(torch.tensor([10, 16, 17, 18, 20, 25]), max_new_tokens=20, buffer_frac=0.2, penalty=1.0)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+
+
+def test_grpo_overlong_penalty_enters_the_advantage():
+    """Same rewards, one long completion per group: with the shaping the long ones' advantages drop, so the loss
+    equals plain grpo on the shaped rewards."""
+    mb = make_mb(REWARDS)
+    lengths = mb.mask.sum(1)
+    ramp = {1: 0.0, 2: 0.0, 3: -0.5, 4: -1.0}  # max_new_tokens 4, a buffer of 2: from 0 at 2 tokens to -1 at 4
+    shaped = mb.rewards + torch.tensor([ramp[int(n)] for n in lengths], dtype=torch.float64)
+    want, _, _ = run(algos.get("grpo"), make_mb(shaped.tolist()))
+    got, _, metrics = run(algos.get("grpo"), make_mb(REWARDS), overlong_buffer_frac=0.5, overlong_penalty=1.0)
+    assert got == pytest.approx(want, rel=1e-12) and metrics["grpo/overlong_frac"] > 0
+
+
+def test_dapo_is_grpo_with_dapo_s_defaults():
+    dapo = algos.get("dapo")
+    cfg = dapo.Config()
+    assert (cfg.clip_eps, cfg.clip_eps_high, cfg.token_mean, cfg.overlong_buffer_frac) == (0.2, 0.28, True, 0.2)
+    loss, grad, metrics = run(dapo, make_mb(REWARDS))
+    want, want_grad, _ = run(algos.get("grpo"), make_mb(REWARDS), clip_eps_high=0.28, token_mean=True,
+                             overlong_buffer_frac=0.2)
+    assert_close(loss, grad, want, want_grad)
+    assert "loss/dapo" in metrics and "dapo/clip_frac" in metrics
+
+
 # ---- TB ----
 
 def tb_reference(mb, beta, length_normalize=False, normalize=True):
@@ -356,24 +436,35 @@ def test_rloo_with_correction_weights_each_token(kind):
 
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_clip_fraction_splits_into_its_lower_and_upper_side(name):
-    mb = make_mb(REWARDS)
+def test_clip_fraction_counts_only_the_tokens_the_clip_cuts(name):
+    """A token is clipped when its ratio leaves the range on the side its advantage pushes (below 1 - eps with
+    A < 0, above 1 + eps with A > 0): exactly the tokens whose gradient the clip zeroes. Outside the range on
+    the other side, min() keeps the unclipped term and the token still learns."""
+    mb = make_mb(REWARDS, seed=2)  # a draw with tokens on every side of both ranges
     lp, bh = rows(mb, "logprobs"), rows(mb, "behav_logprobs")
     old = bh if name == "grpo" else rows(mb, "prox_logprobs")
-    rho = [math.exp(lp[i][t] - old[i][t]) for i in range(len(lp)) for t in range(LENGTHS[i])]
-    _, _, metrics = run(algos.get(name), mb)
-    low, high = sum(x < 0.8 for x in rho) / len(rho), sum(x > 1.2 for x in rho) / len(rho)
-    assert low > 0 and high > 0
-    assert metrics[f"{name}/clip_frac_low"] == pytest.approx(low)
-    assert metrics[f"{name}/clip_frac_high"] == pytest.approx(high)
-    assert metrics[f"{name}/clip_frac"] == pytest.approx(low + high)
+    adv = group_adv(REWARDS, scale=True)
+    tokens = [(math.exp(lp[i][t] - old[i][t]), adv[i], i, t) for i in range(len(lp)) for t in range(LENGTHS[i])]
+    _, grad, metrics = run(algos.get(name), mb, **({"behav_weight_cap": 100.0} if name == "ppo" else {}))
+    low = [(i, t) for rho, a, i, t in tokens if rho < 0.8 and a < 0]
+    high = [(i, t) for rho, a, i, t in tokens if rho > 1.2 and a > 0]
+    outside = sum(rho < 0.8 or rho > 1.2 for rho, *_ in tokens)
+    assert low and high and outside > len(low) + len(high)  # some tokens lie outside on the unclipped side
+    assert metrics[f"{name}/clip_frac_low"] == pytest.approx(len(low) / len(tokens))
+    assert metrics[f"{name}/clip_frac_high"] == pytest.approx(len(high) / len(tokens))
+    assert metrics[f"{name}/clip_frac"] == pytest.approx((len(low) + len(high)) / len(tokens))
+    zero_grad = {(i, t) for _, a, i, t in tokens if a != 0 and grad[i][t] == 0.0}
+    assert zero_grad == set(low) | set(high)  # the counted tokens are those the clip stopped
 
 
 # ---- every rule ----
 
 ALL = [("grpo", {}), ("tb", {}), ("ppo", {}), ("ppo", {"decoupled": False}), ("rloo", {"kl_coef": 0.1}),
        ("online_dpo", {}), ("online_dpo", {"loss_type": "ipo"}), ("grpo", {"correction": "tis"}),
-       ("ppo", {"correction": "mis_seq"}), ("rloo", {"correction": "mis_token"})]
+       ("ppo", {"correction": "mis_seq"}), ("rloo", {"correction": "mis_token"}), ("dapo", {}),
+       ("grpo", {"dual_clip": 3.0, "token_mean": True}), ("ppo", {"dual_clip": 3.0}), ("gspo", {}),
+       ("gspo", {"clip_eps": 0.05, "clip_eps_high": 0.08}), ("gspo", {"correction": "tis"}), ("cispo", {}),
+       ("cispo", {"clip_eps": 0.2, "clip_eps_high": 0.2}), ("cispo", {"correction": "mis_token"})]
 
 
 @pytest.mark.parametrize("name,cfg", ALL)
@@ -403,7 +494,37 @@ def test_metrics_are_namespaced_floats(name, cfg):
         assert key.split("/")[0] in ("loss", prefix) + (("correction",) if "correction" in cfg else ()), key
 
 
+@pytest.mark.parametrize("name", algos.names())
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_every_rule_stays_finite_with_log_ratios_of_100(name, sign):
+    """Log-ratios of +-100 against the behaviour, proximal and reference policies, in padding (garbage the
+    mask must hide) and on two real tokens (an overflowing ratio must be clamped, not turned into inf * 0):
+    every rule's loss and gradient stay finite. In float32, as the trainer's logprobs are: exp(100) is inf."""
+    mb = make_mb(REWARDS)
+    mb = dataclasses.replace(mb, **{f: getattr(mb, f).detach().float() for f in (
+        "behav_logprobs", "mask", "rewards", "ref_logprobs", "prox_logprobs")})
+    mb.logprobs = mb.logprobs.detach().float().requires_grad_(True)
+    with torch.no_grad():
+        pad = mb.mask == 0
+        mb.logprobs[pad] = mb.behav_logprobs[pad] + sign * 100
+        mb.logprobs[1, 0] = mb.behav_logprobs[1, 0] + sign * 100
+        mb.logprobs[4, 1] = mb.behav_logprobs[4, 1] - sign * 100
+        mb.prox_logprobs[pad] = mb.behav_logprobs[pad] - sign * 100
+        mb.ref_logprobs[pad] = mb.behav_logprobs[pad] - sign * 100
+    module = algos.get(name)
+    for cfg in ({}, {"correction": "tis"}) if "correction" in {f.name for f in dataclasses.fields(module.Config)} \
+            else ({},):
+        mb.logprobs.grad = None
+        loss_fn = module.Loss(module.Config(**cfg))
+        loss, metrics = loss_fn(mb)
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(mb.logprobs.grad).all(), (name, cfg)
+        assert all(math.isfinite(v) for v in metrics.values()), (name, cfg, metrics)
+
+
 BAD = [("grpo", "clip_eps", 1.5), ("grpo", "clip_eps_high", 0.0),
+       ("grpo", "dual_clip", 0.5), ("ppo", "dual_clip", 1.0), ("grpo", "overlong_buffer_frac", 1.0),
+       ("grpo", "overlong_penalty", -1.0), ("dapo", "clip_eps_high", 0.0),
        ("tb", "beta_start", 0.0), ("tb", "beta_end", -1.0), ("tb", "beta_steps", -1),
        ("ppo", "clip_eps", 0.0), ("ppo", "clip_eps_high", -0.1), ("ppo", "behav_weight_cap", 0.5),
        ("rloo", "kl_coef", -0.1), ("grpo", "correction", "is"), ("rloo", "tis_cap", 0.0),

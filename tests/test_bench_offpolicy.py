@@ -39,3 +39,21 @@ def test_table_and_plot_show_the_seeds_spread(tmp_path):
     assert "| ppo | 0 | 0.40 ± 0.10 | 0.60 ± 0.10 |" in text and "| ppo_m4 | 2 |" in text
     offpolicy.plot(results, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def _runs(*values):
+    return [{"pass@1": v} for v in values]
+
+
+def test_claims_are_judged_against_the_seeds_spread():
+    results = {("ppo", 0): _runs(0.9, 0.9, 0.9), ("ppo", 8): _runs(0.80, 0.78, 0.82),
+               ("ppo_naive", 8): _runs(0.40, 0.45, 0.42),  # decoupled beats naive by far more than the spreads
+               ("online_dpo", 0): _runs(0.90, 0.92, 0.91), ("online_dpo", 8): _runs(0.60, 0.62, 0.61),  # drops
+               ("tb", 0): _runs(0.5, 0.9, 0.7), ("tb", 8): _runs(0.6, 0.7, 0.8)}  # within a wide spread
+    lines = offpolicy.claims(results)
+    assert [line.split(": ")[0] for line in lines] == ["AReaL", "Asynchronous RLHF", "TBA"]
+    assert ": reproduced (" in lines[0] and ": not reproduced (" in lines[1] and ": not distinguishable (" in lines[2]
+    results[("ppo_naive", 8)] = _runs(0.78, 0.80, 0.82)
+    results[("tb", 0)], results[("tb", 8)] = _runs(0.72, 0.70, 0.71), _runs(0.68, 0.70, 0.72)  # no drop
+    lines = offpolicy.claims(results)
+    assert ": not distinguishable (" in lines[0] and ": reproduced (" in lines[2]

@@ -142,6 +142,8 @@ RANGES = {  # values of the right type but out of range: refused by the schema's
     "eval.k=0": "config key 'eval.k' must be >= 1",
     "checkpoint.keep=-1": "config key 'checkpoint.keep' must be >= 0",
     "buffer.sampler=lifo": "config key 'buffer.sampler' must be auto, fifo or tba",
+    "buffer.dynamic_max_drops=-1": "config key 'buffer.dynamic_max_drops' must be >= 0",
+    "algo=ppo algo.dual_clip=0.5": "config key 'algo.dual_clip' must be 0 (off) or > 1",
     "logger=mlflow": "config key 'logger' must be none, tensorboard or wandb",
     "cluster.threads_per_process=4096": "must fit the",
     "cluster=cpu2 train.batch_groups=3": "'train.batch_groups' must be divisible by cluster.trainer_ranks=2",

@@ -346,3 +346,27 @@ def test_logger_backends_in_a_real_run(tiny_model_dir, tmp_path, monkeypatch, ba
         import glob
 
         assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
+
+
+@pytest.mark.parametrize("algo", ["gspo", "cispo"])
+def test_new_rules_run_end_to_end(tiny_model_dir, tmp_path, algo):
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=2", f"algo={algo}", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(f"loss/{algo}" in r for r in rows)
+
+
+def test_dapo_dynamic_sampling_drops_tied_groups_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    """The tiny random model scores 0 on (almost) every sample: groups tie. Each tied group is dropped (its
+    budget back to the gate, so a worker generates another) until the step's allowance, 1 x batch_groups here,
+    is spent; then the step trains on tied groups rather than wait forever, and says so."""
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=3", "algo=dapo", "max_staleness=1",
+                       "buffer.dynamic_max_drops=1", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("loss/dapo" in r for r in rows)
+    dropped = [r["dynamic/dropped_groups"] for r in rows]
+    assert all(n <= 2 for n in dropped)  # batch_groups=2 in TINY: the allowance each step
+    assert rows[-1]["dynamic/dropped_groups_total"] == sum(dropped) > 0 and rows[-1]["dynamic/gave_up"] > 0
+    assert all(r["dynamic/dropped_tokens"] > 0 for r, n in zip(rows, dropped) if n)  # their generation's cost
+    assert max(r["staleness_max"] for r in rows) <= 1

@@ -95,6 +95,8 @@ class _Loop:
         self.max_staleness, self.batch_groups, self.workers = cfg.max_staleness, cfg.train.batch_groups, args.workers
         self.eval_every, self.checkpoint_cfg, self.start_step = cfg.eval.every, cfg.checkpoint, setup.resume_step
         self.multi_turn = setup.multi_turn
+        drops = int(cfg.buffer.dynamic_max_drops * self.batch_groups)
+        self.dynamic = DynamicSampling(cfg.buffer.dynamic_sampling, drops)  # rank 0's
         self.last_episodes = (0, 0)  # rank 0: (episodes, successes) counted at the last row
         # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
         self.next_group: dict[int, int] = {}
@@ -149,11 +151,14 @@ class _Loop:
                     self.shared.cores.trainer_waiting()
                 fresh, dropped = self._take_fresh(version)
                 wait_time = time.time() - t0
-                batch = pack(self.replay.sample(self.batch_groups, version))
-                # reward and staleness describe the fresh data (the current policy's); replay has its own
-                info = {"reward_mean": torch.cat([g.rewards for g in fresh]).mean().item(),
+                groups = self.replay.sample(self.batch_groups, version)
+                batch = pack(groups)
+                # reward describes the fresh data (the current policy's, tied groups dropped by dynamic sampling
+                # included); staleness what is trained on
+                rewards = torch.cat([g.rewards for g in fresh + self.dynamic.dropped])
+                info = {"reward_mean": rewards.mean().item(),
                         "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
-                        **self.replay.stats(), **_staleness(fresh, version),
+                        **self.replay.stats(), **_staleness(groups, fresh, version), **self.dynamic.metrics(),
                         **(_episodes(fresh) if self.multi_turn else {})}
                 payload = (batch, info, {"perf/wait_s": wait_time, "perf/train_threads": self._step_threads()})
             except Stopped:
@@ -265,9 +270,11 @@ class _Loop:
         return state["time_s"]
 
     def _take_fresh(self, version: int):
-        """Move B fresh groups from the ring into the buffer; groups too old to train on are dropped (their
-        budget goes back to the gate). Returns the groups taken and those dropped."""
+        """Move B fresh groups from the ring into the buffer; groups too old to train on, and under dynamic
+        sampling groups whose rewards all tie, are dropped (their budget goes back to the gate). Returns the
+        groups taken and those dropped for staleness."""
         shared, taken, dropped, start = self.shared, [], [], time.monotonic()
+        self.dynamic.new_step()
         while len(taken) < self.batch_groups:
             self.heart.beat("wait_data")
             group = shared.ring.get(timeout=0.5)
@@ -282,10 +289,48 @@ class _Loop:
                 dropped.append(group)
                 shared.gate.cancel(1)
                 continue
+            if self.dynamic.drops(group):
+                shared.gate.cancel(1)  # a worker generates one more in its place, within the same bound
+                continue
             self.replay.add(group, version)
             taken.append(group)
         self.replay.expire_fresh(version, self.max_staleness)
         return taken, dropped
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling (buffer.dynamic_sampling): rank 0 drops fresh groups whose rewards all tie, at
+    most `max_drops` a step (then it trains on them too rather than wait on a solved task), and counts what
+    the dropped groups cost."""
+
+    def __init__(self, on: bool, max_drops: int):
+        self.on, self.max_drops = on, max_drops
+        self.step_tokens = self.gave_up = self.total_drops = self.total_tokens = 0
+        self.dropped: list = []  # this step's
+
+    def new_step(self) -> None:
+        self.dropped, self.step_tokens = [], 0
+
+    def drops(self, group) -> bool:
+        """Whether to drop `group` (all K rewards equal, and drops left this step)."""
+        if not self.on or bool(group.rewards.max() > group.rewards.min()):
+            return False
+        if len(self.dropped) >= self.max_drops:
+            self.gave_up += 1
+            return False
+        tokens = int((torch.arange(group.completion_ids.shape[1]) < group.completion_lens[:, None])
+                     .logical_and(group.loss_mask).sum())  # sampled tokens: what generating it cost
+        self.dropped.append(group)
+        self.step_tokens, self.total_drops, self.total_tokens = (self.step_tokens + tokens, self.total_drops + 1,
+                                                                 self.total_tokens + tokens)
+        return True
+
+    def metrics(self) -> dict:
+        if not self.on:
+            return {}
+        return {"dynamic/dropped_groups": len(self.dropped), "dynamic/dropped_tokens": self.step_tokens,
+                "dynamic/dropped_groups_total": self.total_drops, "dynamic/dropped_tokens_total": self.total_tokens,
+                "dynamic/gave_up": self.gave_up}
 
 
 def _counts(shared: Shared) -> dict:
@@ -311,10 +356,14 @@ def _sampler(choice: str, algo: str) -> str:
     return getattr(algos.get(algo).Loss, "sampler", "fifo") if choice == "auto" else choice
 
 
-def _staleness(fresh: list, version: int) -> dict:
-    """Policy-version lag of the fresh (not replayed) groups in the batch."""
-    lags = [lag(g, version) for g in fresh] or [0]
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags)}
+def _staleness(trained: list, taken: list, version: int) -> dict:
+    """Policy-version lag (of a group's oldest sampled token): staleness_* of the fresh groups trained on this
+    step, the data max_staleness bounds (all of a fifo batch; tba's recent share, whose replayed groups are
+    aged in buffer/age_*), and staleness/ring_* of the groups taken from the ring this step."""
+    lags = [lag(g, version) for g in trained if g.group_id >= 0] or [0]  # replayed groups have negative ids
+    ring = [lag(g, version) for g in taken] or [0]
+    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
+            "staleness/ring_mean": sum(ring) / len(ring), "staleness/ring_max": max(ring)}
 
 
 def _episodes(fresh: list) -> dict:
