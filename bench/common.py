@@ -1,4 +1,6 @@
-"""Shared by the benchmarks: the model, prompts from the default task, and a matmul peak measured in-run."""
+"""Shared by the benchmarks: the model, prompts from the default task, a matmul peak measured in-run, and the
+median of times some of which never came."""
+import statistics
 import time
 
 import torch
@@ -19,6 +21,18 @@ def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10, devi
     if cuda:
         torch.cuda.synchronize(device)
     return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy with the current thread count, counted as bytes read + bytes written (STREAM's
+    copy convention): the memory ceiling a decode step that reads every weight is held to."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return 2 * src.numel() * 4 * repeats / (time.perf_counter() - start)
 
 
 def model_matmul_flops(config, tokens: int, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -58,3 +72,12 @@ def task_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     task = build(Config(), seed)
     examples = (task.train * (n // len(task.train) + 1))[:n]
     return [tasks.prompt_ids(tokenizer, ex.question) for ex in examples]
+
+
+def median(values: list):
+    """The median, `None` (never reached the bar) counting as slower than any time."""
+    ranked = sorted(values, key=lambda v: float("inf") if v is None else v)
+    if len(ranked) % 2:
+        return ranked[(len(ranked) - 1) // 2]
+    pair = ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]
+    return None if None in pair else statistics.median(pair)

@@ -2,8 +2,11 @@
 
     python -m bench.generate [--sequences 64] [--new-tokens 64] [--threads 2] [--fallback]
 
-Prints tokens/s of both in fp32 and bf16, the engine's fraction of the limit implied by the matmul peak
-measured in the same run (2 x parameters FLOPs per token), and ends with `engine_vs_hf=<ratio>` (bf16).
+Prints tokens/s of both in fp32 and bf16 and the engine against two limits measured in the same run: compute (the
+matmul peak over 2 x parameters FLOPs a token) and memory (the bytes a decode step reads, every weight once and the
+KV cache of the sequences in flight at their mean length, over the measured copy bandwidth, times the sequences a
+step decodes); the engine's fraction of the lower one is `engine_at=`. Ends with `engine_vs_hf=<ratio>` and
+`engine_at_limit=<fraction>` (bf16).
 Completions stop at EOS, so their lengths vary: continuous batching refills finished slots at once.
 `--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
 on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
@@ -13,9 +16,24 @@ import time
 
 import torch
 
-from bench.common import load, matmul_peak_flops, task_prompts
+from bench.common import copy_bandwidth, load, matmul_peak_flops, task_prompts
 from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
+
+
+def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, peak: float, bandwidth: float):
+    """(compute limit, memory limit) in tokens/s. Memory: the run decodes `tokens` in steps of up to len(prompts)
+    sequences; each step reads the weights once and the cache of every sequence in flight, at its mean length
+    (prompt + half the new tokens generated)."""
+    compute = peak / (2 * params)
+    size = torch.finfo(dtype).bits // 8
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
+    n = len(prompts)
+    mean_len = sum(map(len, prompts)) / n + tokens / n / 2
+    step_bytes = params * size + n * mean_len * kv_per_token
+    memory = n * bandwidth / step_bytes
+    return compute, memory
 
 
 def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False) -> tuple[int, float]:
@@ -60,18 +78,23 @@ def main():
           f"{params / 1e6:.1f}M parameters")
     if args.fallback:
         return compare_paths(model, tokenizer, prompts, args.new_tokens, eos)
-    ratio = None
+    ratio = at = None
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in (torch.float32, torch.bfloat16):
         peak = matmul_peak_flops(dtype)
         engine_tokens, engine_s = run_engine(model, prompts, args.new_tokens, eos, dtype)
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts, args.new_tokens, eos, dtype)
         engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
-        limit = peak / (2 * params)
-        ratio = engine_tps / hf_tps
+        compute, memory = limits(model.config, params, prompts, args.new_tokens, engine_tokens, dtype, peak,
+                                 bandwidth)
+        ratio, at = engine_tps / hf_tps, engine_tps / min(compute, memory)
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
-              f"matmul peak {peak / 1e9:.0f} GFLOP/s -> limit {limit:.0f} tok/s, engine at {engine_tps / limit:.0%}")
+              f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
+              f"tok/s -> engine_at={at:.0%} of the lower")
     print(f"engine_vs_hf={ratio:.2f}")
+    print(f"engine_at_limit={at:.2f}")
 
 
 def compare_paths(model, tokenizer, prompts, new_tokens, eos) -> None:

@@ -1,6 +1,6 @@
 """Off-policy trade-offs: staleness against the learning rule, and updates per batch, on the same 2 cores.
 
-    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--out bench_out/offpolicy] [--report-only]
+    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--etas 0,2,8] [--out bench_out/offpolicy] [--report-only]
 
 The grid, each point once per seed (Hydra multiruns of `train.py`, one per rule variant):
     max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, dapo, gspo, cispo,
@@ -12,7 +12,9 @@ offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1
 (evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the seeds.
 Then the seeds' three claims, each marked reproduced, not reproduced or not distinguishable from the test pass@1
 at eta 8 (`claims` below), and `offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`.
-A bench that stopped part way reruns only the variants with a missing run.
+`--etas 0,8` leaves out the middle column (and the minibatches=4 row, which is at eta 2): the claims need only
+0 and 8. A bench that stopped part way, or a wider `--etas` later, reruns only the (variant, eta) columns with a
+missing run.
 """
 import argparse
 import json
@@ -43,7 +45,8 @@ COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.
 
 def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:
     sweep_dir = os.path.join(out, name)
-    if all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for e in etas for s in seeds):
+    etas = [e for e in etas if not all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for s in seeds)]
+    if not etas:
         print(f"{name}: done before, kept", flush=True)
         return
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
@@ -193,11 +196,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--etas", default=",".join(map(str, ETAS)), help=f"a subset of {ETAS}")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "offpolicy"))
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    chosen = [int(e) for e in args.etas.split(",")]
+    if not set(chosen) <= set(ETAS):
+        sys.exit(f"error: --etas {args.etas}: choose from {','.join(map(str, ETAS))} (the plot's colours)")
     grid = {name: (overrides, ETAS) for name, overrides in VARIANTS.items()} | EXTRA
+    grid = {name: (overrides, tuple(e for e in etas if e in chosen)) for name, (overrides, etas) in grid.items()}
+    grid = {name: entry for name, entry in grid.items() if entry[1]}
     if not args.report_only:
         for name, (overrides, etas) in grid.items():
             run_variant(name, overrides, etas, seeds, args.steps, args.out)
@@ -210,6 +219,8 @@ def main():
     print(f"\nplot: {png}\n")
     for line in claims(results):
         print(line)
+    if ("ppo", 8) not in results:
+        return
     # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not
     ratio = _mean([r["pass@1"] for r in results[("ppo", 8)]]) / \
         max(_mean([r["pass@1"] for r in results[("ppo_naive", 8)]]), 1e-9)

@@ -2,6 +2,7 @@
 
     python -m bench.time_to_reward [--steps 12] [--seed 0] [--out bench_out/time_to_reward] [--report-only]
     python -m bench.time_to_reward --sweep      # first: the learning rate of every rule, synchronous
+    python -m bench.time_to_reward --seeds 0,1,2,3 [--baseline <commit>] [--vary 'name=key=value key=value' ...]
 
 All on the default task and model, on this machine, as Hydra multiruns of `train.py`:
   - `--sweep`: `algo` in SWEEP_RULES x `train.lr` in SWEEP_LRS at max_staleness=0, from which each rule's preset
@@ -21,13 +22,22 @@ reaches 0.8 (and 0.9); evaluation runs only after the last step, so it is not in
 table (time to 0.8 and 0.9, s/step, the split of a step into training and waiting, final test pass@1), draws
 time_to_reward.png (reward against wall-clock, every setting), and ends with one `<setting>=<seconds to 0.8>`
 line per setting (`never` if it did not get there). A bench that stopped part way reruns only what is missing.
+
+`--seeds`, the multi-seed mode: the default run (`now`) once per seed, and beside it, per seed, `baseline` (the same
+command in a git worktree of `--baseline`, for example the commit before a change, so both are measured in the same
+session on the same machine) and each `--vary` setting (the default run with those overrides: one factor at a time).
+Per setting: the median over seeds of the time and of the steps to 0.8 with their range, step 1's time against the
+median steady step (steps 4 on), and s/step; then `<setting>_time_to_0.8=<median s>`, `<setting>_steps_to_0.8=`
+and `<setting>_step1_over_steady=` lines, and `now_vs_baseline=<baseline's median time / now's>`.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
+from bench.common import median
 from launch.summary import THRESHOLDS, completed, time_to_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +52,10 @@ SLOWGEN = ["algo=tb", "rollout.max_batch=8"]
 COMMON = ["eval.every=0", "eval.k=1", "progress=false", "checkpoint.at_end=false"]
 
 
-def _train(args: list[str]) -> None:
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+def _train(args: list[str], root: str = ROOT) -> None:
+    cmd = [sys.executable, os.path.join(root, "train.py"), *args]
     print(" ".join(cmd[1:]), flush=True)
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(args[:3])} failed:\n{result.stderr[-2000:]}")
 
@@ -139,14 +149,117 @@ def plot(results: dict, png: str) -> None:
     plt.close(fig)
 
 
+def baseline_tree(out: str, commit: str) -> str:
+    """A checkout of `commit` (a detached git worktree under `out`, made once) to run the baseline from."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if sha.returncode != 0:
+        sys.exit(f"error: --baseline {commit}: not a commit of this repository (git log --oneline lists them)")
+    path = os.path.join(os.path.abspath(out), f"src_{sha.stdout.strip()[:12]}")
+    if not os.path.exists(os.path.join(path, "train.py")):
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=ROOT, check=True,
+                       capture_output=True)
+    return path
+
+
+def parse_vary(texts: list[str]) -> dict[str, list[str]]:
+    """`--vary 'name=key=value key=value'` -> {name: overrides}."""
+    out = {}
+    for text in texts:
+        name, _, overrides = text.partition("=")
+        if not name or "=" not in overrides or name in ("now", "baseline") or name in out:
+            sys.exit(f"error: --vary {text!r}: write 'name=key=value [key=value ...]' with a new name")
+        out[name] = overrides.split()
+    return out
+
+
+def run_seeds(out: str, steps: int, seeds: list[int], settings: dict[str, tuple[str, list[str]]]) -> None:
+    """Every setting (name -> (checkout, overrides)) at every seed, a whole comparison per seed first."""
+    for seed in seeds:
+        for name, (root, overrides) in settings.items():
+            folder = os.path.join(os.path.abspath(out), "seeds", name, f"seed{seed}")
+            if not completed(folder, steps):
+                _train([*overrides, f"steps={steps}", f"seed={seed}", *COMMON, f"hydra.run.dir={folder}"], root)
+
+
+def step_times(rows: list[dict]) -> list[float]:
+    return [b["time_s"] - a["time_s"] for a, b in zip([{"time_s": 0.0}] + rows, rows)]
+
+
+def load_seed(folder: str) -> dict:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    reached = time_to_reward(rows, 0.8) or (None, None)
+    steps = step_times(rows)
+    steady = statistics.median(steps[3:] or steps[1:] or steps)
+    return {"time": reached[0], "steps": reached[1], "step1_over_steady": steps[0] / steady,
+            "s_per_step": rows[-1]["time_s"] / len(rows)}
+
+
+def seeds_table(results: dict[str, list[dict]]) -> tuple[str, list[str]]:
+    """The Markdown table over seeds and the one-figure lines."""
+    def spread(values, fmt):
+        mid = median(values)
+        done = [v for v in values if v is not None]
+        span = f"{fmt.format(min(done))}-{fmt.format(max(done))}" if done else "-"
+        never = sum(v is None for v in values)
+        return ("never" if mid is None else fmt.format(mid)) + f" ({span}{f', {never} never' if never else ''})"
+
+    lines = ["| setting | seeds | time to 0.8, s: median (range) | steps to 0.8: median (range) | step 1 / steady step "
+             "| s/step |", "| --- " * 6 + "|"]
+    figures = []
+    for name, runs in results.items():
+        lines.append(f"| {name} | {len(runs)} | {spread([r['time'] for r in runs], '{:.0f}')} | "
+                     f"{spread([r['steps'] for r in runs], '{:.0f}')} | "
+                     f"{statistics.median(r['step1_over_steady'] for r in runs):.2f} | "
+                     f"{statistics.median(r['s_per_step'] for r in runs):.1f} |")
+        t, n = median([r["time"] for r in runs]), median([r["steps"] for r in runs])
+        figures += [f"{name}_time_to_0.8={'never' if t is None else round(t, 1)}",
+                    f"{name}_steps_to_0.8={'never' if n is None else n}",
+                    f"{name}_step1_over_steady={statistics.median(r['step1_over_steady'] for r in runs):.2f}"]
+    now, base = results.get("now"), results.get("baseline")
+    if now and base:
+        t_now, t_base = median([r["time"] for r in now]), median([r["time"] for r in base])
+        figures.append(f"now_vs_baseline={'never' if t_now is None or t_base is None else f'{t_base / t_now:.2f}'}")
+    return "\n".join(lines), figures
+
+
+def main_seeds(args) -> None:
+    seeds = [int(s) for s in args.seeds.split(",")]
+    settings = {"now": (ROOT, [])}
+    if args.baseline:
+        settings["baseline"] = (baseline_tree(args.out, args.baseline), [])
+    settings |= {name: (ROOT, overrides) for name, overrides in parse_vary(args.vary).items()}
+    if not args.report_only:
+        run_seeds(args.out, args.steps, seeds, settings)
+    results = {}
+    for name in settings:
+        folders = [os.path.join(args.out, "seeds", name, f"seed{s}") for s in seeds]
+        runs = [load_seed(f) for f in folders if os.path.exists(os.path.join(f, "metrics.jsonl"))]
+        if runs:
+            results[name] = runs
+    text, figures = seeds_table(results)
+    print(f"\n{args.steps} steps, seeds {args.seeds}" + (f", baseline {args.baseline}" if args.baseline else "") + "\n")
+    print(text + "\n")
+    print("\n".join(figures))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="", help="the multi-seed mode: these seeds, for example 0,1,2,3")
+    parser.add_argument("--baseline", default="", help="with --seeds: also run this commit's default run")
+    parser.add_argument("--vary", action="append", default=[], help="with --seeds: 'name=key=value ...', repeatable")
     parser.add_argument("--sweep", action="store_true", help="the learning-rate sweep instead of the comparison")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "time_to_reward"))
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()
+    if args.seeds:
+        return main_seeds(args)
+    if args.baseline or args.vary:
+        sys.exit("error: --baseline and --vary go with --seeds (the multi-seed mode)")
     if not args.report_only:
         run_all(args.out, args.steps, args.seed, args.sweep)
     results = {name: load(d) for name, d in settings(args.out, args.sweep).items()

@@ -2,7 +2,7 @@
 
 Time to reward is what runs are compared by (bench/time_to_reward.py): the `time_s` of the first step at which
 the moving average of `reward_mean` over the last WINDOW steps reaches a threshold. summary.json holds it for
-each of THRESHOLDS (null: never reached)."""
+each of THRESHOLDS (null: never reached), and the same read by the policy (`policy_time_to_reward` below)."""
 import json
 import os
 import resource
@@ -19,6 +19,28 @@ def time_to_reward(rows: list[dict], threshold: float, window: int = WINDOW) -> 
         recent = [r["reward_mean"] for r in rows[i - window + 1:i + 1]]
         if sum(recent) / window >= threshold:
             return rows[i]["time_s"], rows[i]["step"]
+    return None
+
+
+def policy_time_to_reward(rows: list[dict], threshold: float, window: int = WINDOW) -> tuple[float, float] | None:
+    """(time_s, version): when the trainer published the policy whose own samples first averaged `threshold`.
+
+    `time_to_reward` reads the reward of the groups a step trains on, which at max_staleness > 0 a policy up to
+    that many versions older sampled: it credits the trainer late by the lag. Here the same window of rows is
+    read as the versions that sampled it (the row's step - 1 - its fresh groups' mean lag, `staleness_mean`, of
+    their oldest tokens), and the window's newest version is dated by the row that published it (version v at
+    step v's `time_s`, linear between steps; version 0 at 0 s). Synchronous runs come out one step earlier than by
+    `time_to_reward`; an asynchronous run's lag no longer counts against it. None if never reached."""
+    published = {0: 0.0, **{r["step"]: r["time_s"] for r in rows}}
+    for i in range(window - 1, len(rows)):
+        recent = rows[i - window + 1:i + 1]
+        if sum(r["reward_mean"] for r in recent) / window < threshold:
+            continue
+        version = max(max(r["step"] - 1 - r.get("staleness_mean", 0.0), 0.0) for r in recent)
+        low = int(version)  # a resumed run's versions from before it started are dated 0 s, like version 0
+        start, end = published.get(low, 0.0), published.get(min(low + 1, max(published)), 0.0)
+        t = start + (version - low) * (end - start)
+        return round(t, 3), round(version, 3)
     return None
 
 
@@ -51,6 +73,7 @@ def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None):
         "reward_last_quarter": sum(rewards[-quarter:]) / quarter if rewards else None,
         **{f"time_to_reward_{t}": (time_to_reward(rows, t) or (None,))[0] for t in THRESHOLDS},
         **{f"step_to_reward_{t}": (time_to_reward(rows, t) or (None, None))[1] for t in THRESHOLDS},
+        **{f"policy_time_to_reward_{t}": (policy_time_to_reward(rows, t) or (None,))[0] for t in THRESHOLDS},
         # The run's memory: proportional resident set (shared memory counted once) summed over every process,
         # sampled every few seconds (launch/supervisor.py); and the largest resident set of any one process.
         "peak_memory_mb": round(peak_mb),

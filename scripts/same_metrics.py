@@ -16,8 +16,9 @@ import sys
 def timed(key: str) -> bool:
     """Wall-clock and memory figures: they differ between any two runs."""
     key = key.removeprefix("summary/")
-    return (key in ("time_s", "wall_s") or key.endswith("_per_s") or key.startswith("time_to_reward")
-            or key.startswith("peak_") or (key.startswith("perf/") and key.endswith("_s")))
+    return (key in ("time_s", "wall_s") or key.endswith("_per_s")
+            or key.startswith(("time_to_reward", "policy_time_to_reward", "peak_"))
+            or (key.startswith("perf/") and key.endswith("_s")))
 
 
 def differences(before: list[dict], after: list[dict]) -> list[str]:

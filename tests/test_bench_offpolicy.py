@@ -57,3 +57,25 @@ def test_claims_are_judged_against_the_seeds_spread():
     results[("tb", 0)], results[("tb", 8)] = _runs(0.72, 0.70, 0.71), _runs(0.68, 0.70, 0.72)  # no drop
     lines = offpolicy.claims(results)
     assert ": not distinguishable (" in lines[0] and ": reproduced (" in lines[2]
+
+
+def test_etas_outside_the_grid_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["offpolicy", "--etas", "0,3", "--report-only", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--etas 0,3: choose from 0,2,8"):
+        offpolicy.main()
+
+
+def test_a_wider_grid_later_runs_only_the_missing_columns(monkeypatch, tmp_path):
+    for seed in (0, 1):  # eta 0 complete for both seeds, eta 8 for one
+        for eta in (0, 8) if seed == 0 else (0,):
+            folder = tmp_path / "ppo" / f"eta={eta},seed={seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps({"status": "completed", "steps": 3}))
+    calls = []
+    monkeypatch.setattr(offpolicy.subprocess, "run", lambda cmd, **_: calls.append(cmd) or
+                        type("Done", (), {"returncode": 0})())
+    offpolicy.run_variant("ppo", ["algo=ppo"], (0, 8), [0, 1], 3, str(tmp_path))
+    assert len(calls) == 1 and "max_staleness=8" in calls[0]
+    calls.clear()
+    offpolicy.run_variant("ppo", ["algo=ppo"], (0,), [0, 1], 3, str(tmp_path))
+    assert calls == []

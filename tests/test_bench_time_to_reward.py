@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from bench import time_to_reward as ttr
 
 
@@ -31,3 +33,30 @@ def test_settings_name_the_folders_hydra_writes(tmp_path):
     assert sweep["grpo_lr5e-5"] == os.path.join(str(tmp_path), "sweep", "grpo_lr5e-05")  # ${train.lr} is 5e-05
     grid = ttr.settings(str(tmp_path), sweep=False)
     assert {"before", "tb_eta0", "grpo_eta1", "tb_eta1_slowgen"} <= set(grid)
+
+
+def test_the_seeds_mode_reads_medians_ranges_and_the_first_steps_tax(tmp_path):
+    def seed_run(name, times, rewards):
+        path = tmp_path / name
+        os.makedirs(path)
+        rows = [{"step": i, "time_s": t, "reward_mean": r} for i, (t, r) in enumerate(zip(times, rewards), 1)]
+        (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return ttr.load_seed(str(path))
+
+    flat = [0.5, 0.9, 0.9, 0.9, 0.9, 0.9]
+    a = seed_run("a", [30, 40, 50, 60, 70, 80], flat)  # step 1 took 30 s, steady steps 10 s
+    assert (a["time"], a["steps"], a["step1_over_steady"]) == (60, 4, 3.0)  # (0.5 + 0.9 + 0.9) / 3 < 0.8 at step 3
+    b = seed_run("b", [10, 20, 30, 40, 50, 60], [0.1] * 6)  # never reaches 0.8
+    c = seed_run("c", [10, 20, 30, 40, 50, 60], flat)
+    text, figures = ttr.seeds_table({"now": [a, b, c], "baseline": [b, b, c]})
+    assert "| now | 3 | 60 (40-60, 1 never) | 4 (4-4, 1 never) |" in text
+    assert "now_time_to_0.8=60" in figures and "baseline_time_to_0.8=never" in figures
+    assert "now_step1_over_steady=1.00" in figures  # the median of 3.0, 1.0, 1.0
+    assert "now_vs_baseline=never" in figures
+
+
+def test_vary_needs_a_name_and_overrides():
+    assert ttr.parse_vary(["lr4=train.lr=4e-5 train.grad_clip=1"]) == {"lr4": ["train.lr=4e-5", "train.grad_clip=1"]}
+    for bad in (["train.lr"], ["now=train.lr=1"], ["x=a=1", "x=b=2"]):
+        with pytest.raises(SystemExit, match="--vary"):
+            ttr.parse_vary(bad)

@@ -1,0 +1,26 @@
+"""The limits the benchmarks hold the engine to: compute from the matmul peak, memory from the bytes a decode step
+reads (bench/generate.py), and the copy bandwidth they come from (bench/common.py)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.common import copy_bandwidth
+from bench.generate import limits
+
+
+def test_the_memory_limit_counts_the_weights_once_and_every_sequence_s_cache():
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=8, num_attention_heads=2)
+    prompts = [[1] * 10, [1] * 30]  # mean prompt 20; 40 tokens generated, 20 each, 10 cached on average
+    compute, memory = limits(config, params=1000, prompts=prompts, new_tokens=20, tokens=40, dtype=torch.bfloat16,
+                             peak=4e6, bandwidth=1e6)
+    assert compute == pytest.approx(4e6 / 2000)
+    kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V, layers, kv heads, head dim, bytes
+    step_bytes = 1000 * 2 + 2 * 30 * kv_per_token
+    assert memory == pytest.approx(2 * 1e6 / step_bytes)
+    _, memory32 = limits(config, 1000, prompts, 20, 40, torch.float32, 4e6, 1e6)
+    assert memory32 == pytest.approx(memory / 2)  # twice the bytes a step
+
+
+def test_copy_bandwidth_is_a_plausible_rate():
+    assert 1e8 < copy_bandwidth(megabytes=16, repeats=2) < 1e13
