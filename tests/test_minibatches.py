@@ -218,3 +218,16 @@ def test_kept_and_dropped_groups_are_described_apart():
     assert got["staleness/kept_len"] == pytest.approx(sum(lens) / len(lens))
     assert got["staleness/dropped_reward"] == pytest.approx(dropped[0].rewards.mean().item())
     assert "staleness/dropped_len" not in _kept_and_dropped(kept, [])
+
+
+def test_adamw_state_is_made_before_the_first_step_and_changes_nothing(tiny_model_dir):
+    learner = _learner(tiny_model_dir, algos.get("grpo").Config(), minibatches=1)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(learner.policy.lm.get_parameter(name), p), name  # a step at lr 0 moved nothing
+    for group in learner.optimizer.param_groups:
+        assert group["lr"] == 1e-2
+        for p in group["params"]:
+            state = learner.optimizer.state[p]
+            assert p.grad is None and float(state["step"]) == 0.0
+            assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()

@@ -56,9 +56,28 @@ class Learner:
         # fused: one kernel per parameter instead of a dozen elementwise passes (0.17 s vs 0.68 s a step here)
         self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=train.lr,
                                            betas=(0.9, train.adam_beta2), weight_decay=train.weight_decay, fused=True)
+        self._allocate_optimizer_state()
         self.skipped = 0
         self.bad_in_row = 0
         self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
+
+    def _allocate_optimizer_state(self) -> None:
+        """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5 of its
+        4.5 s on a 2-core CPU: about 1 GB of zeros first touched). A step at learning rate 0 on zero gradients leaves
+        the weights and the moments as they were (zeros); its step count is set back to 0, so the first real step is
+        the one a fresh optimizer would take."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        for p in params:
+            self.optimizer.state[p]["step"].zero_()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _adapters(self, init_path: str) -> Adapters:
         """train.lora with its base dtype settled: auto is bfloat16 where the trainer computes in bf16."""
