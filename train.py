@@ -179,7 +179,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         late = sup.shutdown()
         if late:
             print(f"warning: {late}", file=sys.stderr)
-        write_summary(run_dir, start, error, sup.peak_mb, _launcher_counts(shared.counters))
+        write_summary(run_dir, start, error, sup.peak_mb, _launcher_counts(shared.counters), sup.peak_parts)
         draw_curves(run_dir)
     return error
 
@@ -226,7 +226,8 @@ def _plan(name: str, cfg, model_path: str, model_config):
         path, architecture = engine_path(model_config)
         NOTICES.append(f"engine: {'fast path' if path == 'fast' else 'fallback'} ({architecture})")
     if name == "cpu":
-        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts, engine)
+        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts, engine,
+                       cfg.cluster.activation_checkpointing)
     import torch
 
     from launch.gpu import gpu_plan

@@ -1,13 +1,20 @@
 """The built-in CPU engine against Hugging Face `generate`: same model, prompts, budget and sampling.
 
-    python -m bench.generate [--sequences 64] [--new-tokens 64] [--threads 2] [--fallback]
+    python -m bench.generate [--sequences 64] [--requests 256] [--new-tokens 16] [--ignore-eos] [--threads 2]
+    python -m bench.generate --new-tokens 256 --ignore-eos      # the long-completion shape
+    python -m bench.generate --fallback
 
+`--sequences` slots decode together; `--requests` requests wait for them, as a rollout worker's queue does, so
+continuous batching refills a finished slot at once and the batch stays full. As in a rollout, they are
+`--group-size` samples of each prompt of the default task (the engine computes a shared prompt once). HF
+`generate` has no such queue: it gets the first `--sequences` requests in one batch. Completions stop at EOS
+(default-task answers are about 14 tokens), or with `--ignore-eos` run to `--new-tokens`, so that every step reads
+a longer KV cache.
 Prints tokens/s of both in fp32 and bf16 and the engine against two limits measured in the same run: compute (the
-matmul peak over 2 x parameters FLOPs a token) and memory (the bytes a decode step reads, every weight once and the
-KV cache of the sequences in flight at their mean length, over the measured copy bandwidth, times the sequences a
-step decodes); the engine's fraction of the lower one is `engine_at=`. Ends with `engine_vs_hf=<ratio>` and
-`engine_at_limit=<fraction>` (bf16).
-Completions stop at EOS, so their lengths vary: continuous batching refills finished slots at once.
+matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt: prefill is work too) and memory
+(the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
+over the measured copy bandwidth, times the sequences a step decodes); the engine's fraction of the lower one is
+`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16).
 `--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
 on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
 """
@@ -21,32 +28,38 @@ from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
 
 
-def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, peak: float, bandwidth: float):
-    """(compute limit, memory limit) in tokens/s. Memory: the run decodes `tokens` in steps of up to len(prompts)
-    sequences; each step reads the weights once and the cache of every sequence in flight, at its mean length
-    (prompt + half the new tokens generated)."""
-    compute = peak / (2 * params)
+def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, peak: float, bandwidth: float,
+           slots: int = 0):
+    """(compute limit, memory limit) in generated tokens/s. Compute: 2 x params FLOPs for every generated token
+    and every token of a distinct prompt (prefill). Memory: the run decodes `tokens` for `prompts` in steps of up
+    to `slots` sequences (default: all of them at once); each step reads the weights once and the cache of every
+    sequence in flight, at its mean length (prompt + half the new tokens generated)."""
+    prefill = sum(len(p) for p in {tuple(p) for p in prompts})
+    compute = peak / (2 * params) * tokens / (tokens + prefill)
     size = torch.finfo(dtype).bits // 8
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
-    n = len(prompts)
-    mean_len = sum(map(len, prompts)) / n + tokens / n / 2
+    n = slots or len(prompts)
+    mean_len = sum(map(len, prompts)) / len(prompts) + tokens / len(prompts) / 2
     step_bytes = params * size + n * mean_len * kv_per_token
     memory = n * bandwidth / step_bytes
     return compute, memory
 
 
-def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False) -> tuple[int, float]:
-    engine = BuiltinEngine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + new_tokens, seed=0,
-                           dtype=dtype, fallback=fallback)
+def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False, slots: int = 0) -> tuple[int, float]:
+    """Tokens generated and seconds: `prompts` through `slots` engine slots (default: one each); eos None: none stop
+    early."""
+    engine = BuiltinEngine(model, max_batch=slots or len(prompts), max_len=max(map(len, prompts)) + new_tokens,
+                           seed=0, dtype=dtype, fallback=fallback)
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=(eos,))
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
+                            stop_token_ids=() if eos is None else (eos,))
     start = time.perf_counter()
     done = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     return sum(len(c.token_ids) for c in done), time.perf_counter() - start
 
 
-def run_hf(model, tokenizer, prompts, new_tokens, eos, dtype) -> tuple[int, float]:
+def run_hf(model, tokenizer, prompts, new_tokens, eos, dtype, ignore_eos: bool = False) -> tuple[int, float]:
     model = model.to(dtype)
     width = max(map(len, prompts))
     ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])  # left padding
@@ -55,39 +68,50 @@ def run_hf(model, tokenizer, prompts, new_tokens, eos, dtype) -> tuple[int, floa
         model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False, pad_token_id=eos)
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=new_tokens, pad_token_id=eos, eos_token_id=eos)
+                             max_new_tokens=new_tokens, pad_token_id=eos, eos_token_id=None if ignore_eos else eos,
+                             **({"min_new_tokens": new_tokens} if ignore_eos else {}))
         elapsed = time.perf_counter() - start
     model.to(torch.float32)
     rows = out[:, width:].tolist()
+    if ignore_eos:
+        return sum(map(len, rows)), elapsed
     return sum(r.index(eos) + 1 if eos in r else len(r) for r in rows), elapsed
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sequences", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--sequences", type=int, default=64, help="engine slots: sequences decoded together")
+    parser.add_argument("--requests", type=int, default=0, help="prompts queued for them (default 4 x sequences)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt, as rollout.group_size")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --new-tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fallback", action="store_true", help="fast path vs fallback, fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load()
-    prompts = task_prompts(tokenizer, args.sequences)
+    requests = args.requests or 4 * args.sequences
+    prompts = [p for p in task_prompts(tokenizer, -(-requests // args.group_size)) for _ in range(args.group_size)]
+    prompts = prompts[:requests]
     eos = tokenizer.eos_token_id
     params = sum(p.numel() for p in model.parameters())
-    print(f"{args.sequences} sequences, <= {args.new_tokens} new tokens, T=1.0, {args.threads} threads, "
-          f"{params / 1e6:.1f}M parameters")
+    budget = f"{'' if args.ignore_eos else '<= '}{args.new_tokens} new tokens"
+    print(f"{requests} requests ({args.group_size} a prompt) through {args.sequences} slots, {budget}, T=1.0, "
+          f"{args.threads} threads, {params / 1e6:.1f}M parameters")
     if args.fallback:
-        return compare_paths(model, tokenizer, prompts, args.new_tokens, eos)
+        return compare_paths(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos)
     ratio = at = None
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in (torch.float32, torch.bfloat16):
         peak = matmul_peak_flops(dtype)
-        engine_tokens, engine_s = run_engine(model, prompts, args.new_tokens, eos, dtype)
-        hf_tokens, hf_s = run_hf(model, tokenizer, prompts, args.new_tokens, eos, dtype)
+        engine_tokens, engine_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos, dtype,
+                                             slots=args.sequences)
+        hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
+                                 args.ignore_eos)
         engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
         compute, memory = limits(model.config, params, prompts, args.new_tokens, engine_tokens, dtype, peak,
-                                 bandwidth)
+                                 bandwidth, slots=args.sequences)
         ratio, at = engine_tps / hf_tps, engine_tps / min(compute, memory)
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "

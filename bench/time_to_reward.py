@@ -194,7 +194,7 @@ def load_seed(folder: str) -> dict:
     steps = step_times(rows)
     steady = statistics.median(steps[3:] or steps[1:] or steps)
     return {"time": reached[0], "steps": reached[1], "step1_over_steady": steps[0] / steady,
-            "s_per_step": rows[-1]["time_s"] / len(rows)}
+            "s_per_step": rows[-1]["time_s"] / len(rows), "pass@1": rows[-1].get("eval_pass@1")}
 
 
 def seeds_table(results: dict[str, list[dict]]) -> tuple[str, list[str]]:
@@ -207,13 +207,14 @@ def seeds_table(results: dict[str, list[dict]]) -> tuple[str, list[str]]:
         return ("never" if mid is None else fmt.format(mid)) + f" ({span}{f', {never} never' if never else ''})"
 
     lines = ["| setting | seeds | time to 0.8, s: median (range) | steps to 0.8: median (range) | step 1 / steady step "
-             "| s/step |", "| --- " * 6 + "|"]
+             "| s/step | test pass@1: median (range) |", "| --- " * 7 + "|"]
     figures = []
     for name, runs in results.items():
         lines.append(f"| {name} | {len(runs)} | {spread([r['time'] for r in runs], '{:.0f}')} | "
                      f"{spread([r['steps'] for r in runs], '{:.0f}')} | "
                      f"{statistics.median(r['step1_over_steady'] for r in runs):.2f} | "
-                     f"{statistics.median(r['s_per_step'] for r in runs):.1f} |")
+                     f"{statistics.median(r['s_per_step'] for r in runs):.1f} | "
+                     f"{spread([r['pass@1'] for r in runs], '{:.2f}')} |")
         t, n = median([r["time"] for r in runs]), median([r["steps"] for r in runs])
         figures += [f"{name}_time_to_0.8={'never' if t is None else round(t, 1)}",
                     f"{name}_steps_to_0.8={'never' if n is None else n}",

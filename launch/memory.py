@@ -34,3 +34,13 @@ def tree_pss_mb(root: int | None = None) -> float:
         total += _pss_kb(pid)
         todo += _children(pid)
     return total / 1024
+
+
+def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
+    """The same total as `tree_pss_mb()`, split: this process alone ("launcher") and the subtree of each child,
+    under `names[pid]` (children not named there add up under "other"), in MiB."""
+    parts = {"launcher": _pss_kb(os.getpid()) / 1024}
+    for child in _children(os.getpid()):
+        name = names.get(child, "other")
+        parts[name] = parts.get(name, 0.0) + tree_pss_mb(child)
+    return parts

@@ -106,6 +106,7 @@ class CPUPlan:
     trainer_ranks: int
     max_restarts: int  # a dead rollout worker is restarted this many times
     engine_kind: str  # rollout.engine, settled for this plan (engine_kind): a module of engines.ENGINES
+    checkpointing: bool = False  # cluster.activation_checkpointing, in the trainer ranks
 
     def weights(self, meta_model):
         from engines.weights import WeightStore
@@ -120,7 +121,7 @@ class CPUPlan:
     def placement(self, rank: int):
         from trainer.policy import CPUPlacement
 
-        return CPUPlacement()
+        return CPUPlacement(self.checkpointing)
 
     def evaluator(self, max_len: int, dtype: str):
         """Evaluation on a built-in engine of rank 0's own that follows the weight store."""

@@ -48,7 +48,9 @@ class ClusterConfig:
     # cuda | cpu: where the GPU plan's processes compute. cpu runs the one-GPU plan's own classes (the built-in
     # engine, FSDP2 on gloo, weight buckets through shared memory) on the CPU: the GPU path tried without a GPU
     device: str = "cuda"
-    activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    # recompute each decoder layer's activations in the backward pass, on the CPU and GPU plans: less memory, about
+    # 30% more compute
+    activation_checkpointing: bool = False
 
     def check(self):
         require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
@@ -133,8 +135,11 @@ class TrainConfig:
     micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
     micro_tokens: int = 4096  # padded tokens per pass, at most: long completions go a few groups at a time (0: off)
     lr: float = 2e-5  # AdamW learning rate
+    warmup_steps: int = 0  # the learning rate rises linearly from lr / (N + 1) to lr over the first N steps (0: off)
     weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW's first-moment decay
     adam_beta2: float = 0.999  # AdamW's second-moment decay (RL recipes often take 0.99 for noisier gradients)
+    adam_eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient norm
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
     # auto | bfloat16 | none: mixed precision of the forward/backward on the CPU (weights stay fp32). auto: as
@@ -157,7 +162,10 @@ class TrainConfig:
         require(self.micro_tokens >= 0, "train.micro_tokens", "must be >= 0", self.micro_tokens)
         require(self.lr > 0, "train.lr", "must be > 0", self.lr)
         require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
+        require(0 <= self.adam_beta1 < 1, "train.adam_beta1", "must be in [0, 1)", self.adam_beta1)
         require(0 < self.adam_beta2 < 1, "train.adam_beta2", "must be in (0, 1)", self.adam_beta2)
+        require(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)
         require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)
         require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", self.max_bad_steps)
         require(self.autocast in ("auto", "bfloat16", "none"), "train.autocast", "must be auto, bfloat16 or none",

@@ -54,9 +54,9 @@ def completed(run_dir: str, steps: int) -> bool:
     return summary.get("status") == "completed" and summary.get("steps") == steps
 
 
-def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None):
+def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, peak_parts: dict | None = None):
     """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's own
-    counters, read after every process stopped)."""
+    counters, read after every process stopped); `peak_parts`: the peak's split by process."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -77,6 +77,8 @@ def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None):
         # The run's memory: proportional resident set (shared memory counted once) summed over every process,
         # sampled every few seconds (launch/supervisor.py); and the largest resident set of any one process.
         "peak_memory_mb": round(peak_mb),
+        # ... and its split at that moment: the launcher, each trainer rank and rollout worker (with its children)
+        "peak_memory_by_process_mb": {name: round(mb) for name, mb in sorted((peak_parts or {}).items())},
         "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
         **(counts or {}),

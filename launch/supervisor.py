@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 import torch
 from setproctitle import setproctitle
 
-from launch.memory import tree_pss_mb
+from launch.memory import tree_pss_parts_mb
 from launch.shared import Finish, StopFlag
 
 
@@ -95,6 +95,7 @@ class Supervisor:
         # tables (about 0.2 s for a SmolLM2 run's tree, 2 cores): sampled at most every second and so that it
         # takes no more than 1/20 of the launcher's time.
         self.peak_mb = 0.0
+        self.peak_parts: dict[str, float] = {}  # that total's split by process (launch/memory.py) when it peaked
         self._next_sample = 0.0
 
     def start(self, name: str, target, kwargs: dict, threads: int, essential: bool = False) -> None:
@@ -187,7 +188,9 @@ class Supervisor:
         now = time.monotonic()
         if now < self._next_sample:
             return
-        self.peak_mb = max(self.peak_mb, tree_pss_mb())
+        parts = tree_pss_parts_mb({p.pid: name for name, p in self.procs.items() if p.pid is not None})
+        if sum(parts.values()) > self.peak_mb:
+            self.peak_mb, self.peak_parts = sum(parts.values()), parts
         self._next_sample = now + max(1.0, 20 * (time.monotonic() - now))
 
     def _describe(self, name: str, exitcode: int) -> str:

@@ -14,7 +14,7 @@ def test_the_memory_limit_counts_the_weights_once_and_every_sequence_s_cache():
     prompts = [[1] * 10, [1] * 30]  # mean prompt 20; 40 tokens generated, 20 each, 10 cached on average
     compute, memory = limits(config, params=1000, prompts=prompts, new_tokens=20, tokens=40, dtype=torch.bfloat16,
                              peak=4e6, bandwidth=1e6)
-    assert compute == pytest.approx(4e6 / 2000)
+    assert compute == pytest.approx(4e6 / 2000 * 40 / (40 + 40))  # 40 generated and 10 + 30 prefilled tokens
     kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V, layers, kv heads, head dim, bytes
     step_bytes = 1000 * 2 + 2 * 30 * kv_per_token
     assert memory == pytest.approx(2 * 1e6 / step_bytes)
@@ -24,3 +24,12 @@ def test_the_memory_limit_counts_the_weights_once_and_every_sequence_s_cache():
 
 def test_copy_bandwidth_is_a_plausible_rate():
     assert 1e8 < copy_bandwidth(megabytes=16, repeats=2) < 1e13
+
+
+def test_slots_fewer_than_prompts_read_the_cache_of_the_slots_only():
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=8, num_attention_heads=2)
+    prompts = [[1] * 10, [1] * 30] * 4  # 8 requests through 2 slots, 20 tokens each
+    compute, memory = limits(config, 1000, prompts, 20, 160, torch.bfloat16, 4e6, 1e6, slots=2)
+    assert compute == pytest.approx(4e6 / 2000 * 160 / (160 + 40))  # a repeated prompt is prefilled once
+    kv_per_token = 2 * 2 * 1 * 4 * 2
+    assert memory == pytest.approx(2 * 1e6 / (1000 * 2 + 2 * 30 * kv_per_token))  # as 2 prompts in 2 slots

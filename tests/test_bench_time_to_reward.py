@@ -40,6 +40,7 @@ def test_the_seeds_mode_reads_medians_ranges_and_the_first_steps_tax(tmp_path):
         path = tmp_path / name
         os.makedirs(path)
         rows = [{"step": i, "time_s": t, "reward_mean": r} for i, (t, r) in enumerate(zip(times, rewards), 1)]
+        rows[-1]["eval_pass@1"] = rewards[-1]
         (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         return ttr.load_seed(str(path))
 
@@ -50,6 +51,7 @@ def test_the_seeds_mode_reads_medians_ranges_and_the_first_steps_tax(tmp_path):
     c = seed_run("c", [10, 20, 30, 40, 50, 60], flat)
     text, figures = ttr.seeds_table({"now": [a, b, c], "baseline": [b, b, c]})
     assert "| now | 3 | 60 (40-60, 1 never) | 4 (4-4, 1 never) |" in text
+    assert text.split("\n")[2].endswith("| 0.90 (0.10-0.90) |")  # the test pass@1 of a, b, c: 0.9, 0.1, 0.9
     assert "now_time_to_0.8=60" in figures and "baseline_time_to_0.8=never" in figures
     assert "now_step1_over_steady=1.00" in figures  # the median of 3.0, 1.0, 1.0
     assert "now_vs_baseline=never" in figures

@@ -2,7 +2,7 @@ import os
 import subprocess
 import sys
 
-from launch.memory import tree_pss_mb
+from launch.memory import tree_pss_mb, tree_pss_parts_mb
 
 
 def test_tree_memory_counts_children():
@@ -16,8 +16,10 @@ def test_tree_memory_counts_children():
         alone = tree_pss_mb(child.pid)
         total = tree_pss_mb(os.getpid())
         assert alone > 190
-        assert total >= alone + tree_pss_mb(os.getpid()) * 0  # the child is part of this tree
-        assert total > alone
+        assert total > alone  # the child is part of this tree
+        parts = tree_pss_parts_mb({child.pid: "holder"})
+        assert parts["holder"] > 190 and parts["launcher"] > 0  # the child's 200 MB under its name
+        assert abs(sum(parts.values()) - tree_pss_mb(os.getpid())) < 20  # the split adds up to the tree
     finally:
         child.stdin.close()
         child.wait()

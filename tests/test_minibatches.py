@@ -231,3 +231,25 @@ def test_adamw_state_is_made_before_the_first_step_and_changes_nothing(tiny_mode
             state = learner.optimizer.state[p]
             assert p.grad is None and float(state["step"]) == 0.0
             assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def test_warmup_ramps_the_learning_rate_and_adam_takes_its_betas_and_eps(tiny_model_dir):
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    algo = algos.get("ppo").Config()
+    want = _hand_loop(tiny_model_dir, batch, algo, 1, lr=1e-2 / 4)  # step 1 of a 3-step warm-up: lr / 4
+    train = TrainConfig(batch_groups=4, micro_tokens=0, lr=1e-2, grad_clip=1.0, autocast="none", warmup_steps=3,
+                        adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6)
+    learner = Learner(model_path=tiny_model_dir, train=train, algo=algo,
+                      rollout=RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
+    group = learner.optimizer.param_groups[0]
+    assert group["betas"] == (0.8, 0.99) and group["eps"] == 1e-6
+    assert [learner.learning_rate(s) for s in (1, 2, 3, 4, 50)] == [2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2]
+    train.adam_beta1, train.adam_beta2, train.adam_eps = 0.9, 0.999, 1e-8  # as the hand loop's AdamW
+    learner = Learner(model_path=tiny_model_dir, train=train, algo=algo,
+                      rollout=RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
+    metrics = learner.step(batch, 1)
+    assert metrics["train/lr"] == 2.5e-3
+    got = dict(learner.policy.named_parameters())
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

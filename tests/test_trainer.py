@@ -162,3 +162,28 @@ def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
     assert parse(compose(["train.adam_beta2=0.95"])).train.adam_beta2 == 0.95
     with pytest.raises(ValueError, match=r"config key 'train.adam_beta2' must be in \(0, 1\) \(got 1.0\)"):
         parse(compose(["train.adam_beta2=1.0"]))
+
+
+def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir):
+    """cluster.activation_checkpointing on the CPU plan: each decoder layer recomputed in the backward pass, the
+    same update, and the weights published under their Hugging Face names."""
+    import algos
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner, Rank
+    from trainer.policy import CPUPlacement, full_state
+
+    batch = pack(_groups())
+    results = []
+    for checkpointing in (False, True):
+        learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                          train=TrainConfig(batch_groups=2, lr=1e-2, autocast="none"),
+                          rollout=RolloutConfig(group_size=3, max_new_tokens=6),
+                          rank=Rank(placement=CPUPlacement(checkpointing)))
+        wrapped = [type(m).__name__ for m in learner.policy.modules()].count("CheckpointWrapper")
+        assert wrapped == (learner.policy.lm.config.num_hidden_layers if checkpointing else 0)
+        metrics = learner.step(batch, 1)
+        results.append((metrics["loss"], dict(full_state(learner.policy))))
+    (loss, plain), (loss_ckpt, ckpt) = results
+    assert loss == loss_ckpt and plain.keys() == ckpt.keys()
+    for name, value in plain.items():
+        assert torch.allclose(value, ckpt[name], atol=1e-6), name

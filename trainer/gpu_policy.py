@@ -20,7 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.policy import COLLECTIVE_TIMEOUT, TokenLogprobs, compile_stack, decoder_layers, init_gloo
+from trainer.policy import (
+    COLLECTIVE_TIMEOUT,
+    TokenLogprobs,
+    checkpoint_layers,
+    compile_stack,
+    decoder_layers,
+    init_gloo,
+)
 
 
 def attn_implementation() -> str:
@@ -91,13 +98,10 @@ def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_
 
     checkpointing: recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if checkpointing:
+        checkpoint_layers(policy)
     layers = decoder_layers(policy.lm)
     for i, layer in enumerate(layers):
-        if checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
-            layers[i] = layer
         # The last layer's parameters are needed again at once by the backward pass: keep them gathered.
         fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
     fully_shard(policy, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -144,6 +144,17 @@ def compile_stack(policy: nn.Module) -> None:
     policy.lm.base_model.compile(dynamic=True)
 
 
+def checkpoint_layers(policy: TokenLogprobs) -> None:
+    """Activation checkpointing, in place: each decoder layer keeps only its input for the backward pass, which
+    recomputes the rest. A long-completion batch (GSM8K's 512 tokens, 8 to a group) otherwise holds every layer's
+    activations for thousands of tokens at once (docs/benchmarks.md, "Memory")."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = decoder_layers(policy.lm)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
 def shard(policy: TokenLogprobs) -> TokenLogprobs:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, lm_head)."""
     for layer in decoder_layers(policy.lm):
@@ -200,8 +211,11 @@ class Placement(Protocol):
 
 class CPUPlacement:
     """A trainer rank on the CPU plan: gloo, fp32 weights (bf16 autocast per train.autocast), FSDP2 past one
-    rank. trainer/gpu_policy.py's GPUPlacement is the GPU plan's."""
+    rank. trainer/gpu_policy.py's GPUPlacement is the GPU plan's. checkpointing: cluster.activation_checkpointing."""
     device = torch.device("cpu")
+
+    def __init__(self, checkpointing: bool = False):
+        self.checkpointing = checkpointing
 
     def init_process_group(self, rank: int, world_size: int, port: int) -> None:
         init_gloo(rank, world_size, port)
@@ -213,6 +227,8 @@ class CPUPlacement:
 
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         policy = TokenLogprobs(adapters.apply(lm) if adapters else lm)
+        if self.checkpointing and not frozen:
+            checkpoint_layers(policy)
         if compile:
             compile_stack(policy)
         if frozen:
