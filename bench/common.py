@@ -5,22 +5,7 @@ import time
 
 import torch
 
-
-def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
-    """FLOP/s of an n x n matmul in `dtype` on `device` (on the CPU with the current thread count): the hardware
-    ceiling we compare to. A GPU needs a larger n (8192) for its matmul units to be the bound, not the launches."""
-    device = torch.device(device)
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    cuda = device.type == "cuda"  # its kernels run asynchronously: time from an idle GPU to the last one's end
-    a @ b
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if cuda:
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
+from trainer.peak import matmul_peak_flops  # noqa: F401  (moved there: the run's metrics use it too)
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -4,7 +4,7 @@ after the change must agree on every value but the wall-clock ones.
     python scripts/same_metrics.py RUN_DIR_BEFORE RUN_DIR_AFTER
 
 Compares metrics.jsonl row by row and summary.json, leaving out the clock and memory figures
-(`time_s`, `perf/*_s`, `*_per_s`; the summary's `wall_s`, `time_to_reward_*`, `peak_*`). Prints each
+(`time_s`, `perf/*_s`, `*_per_s`, `perf/learner_mfu`; the summary's `wall_s`, `time_to_reward_*`, `peak_*`). Prints each
 differing value (the first 30) and a last line `same: <rows> rows, <keys> keys a row` or `differ: <n> values`;
 exit code 0 when they agree, 1 when they do not.
 """
@@ -18,7 +18,7 @@ def timed(key: str) -> bool:
     key = key.removeprefix("summary/")
     return (key in ("time_s", "wall_s") or key.endswith("_per_s")
             or key.startswith(("time_to_reward", "policy_time_to_reward", "peak_"))
-            or (key.startswith("perf/") and key.endswith("_s")))
+            or (key.startswith("perf/") and key.endswith("_s")) or key == "perf/learner_mfu")
 
 
 def differences(before: list[dict], after: list[dict]) -> list[str]:

@@ -20,10 +20,11 @@ def _compare(a, b):
 
 
 def test_only_the_clock_and_memory_may_differ(tmp_path):
-    rows = [{"step": 1, "loss": 0.5, "time_s": 1.0, "perf/train_step_s": 0.3, "gen_tokens_per_s": 9.0}]
+    rows = [{"step": 1, "loss": 0.5, "time_s": 1.0, "perf/train_step_s": 0.3, "gen_tokens_per_s": 9.0,
+             "perf/learner_mfu": 0.2}]
     summary = {"steps": 1, "wall_s": 3.0, "peak_memory_mb": 10, "time_to_reward_0.8": None}
     before = _run(tmp_path, "before", rows, summary)
-    clock = [dict(rows[0], time_s=2.0, **{"perf/train_step_s": 0.4, "gen_tokens_per_s": 8.0})]
+    clock = [dict(rows[0], time_s=2.0, **{"perf/train_step_s": 0.4, "gen_tokens_per_s": 8.0, "perf/learner_mfu": 0.1})]
     after = _run(tmp_path, "after", clock, dict(summary, wall_s=4.0, peak_memory_mb=12))
     same = _compare(before, after)
     assert same.returncode == 0 and same.stdout.strip().endswith("same: 2 rows, 2 keys a row"), same.stdout

@@ -187,3 +187,13 @@ def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir)
     assert loss == loss_ckpt and plain.keys() == ckpt.keys()
     for name, value in plain.items():
         assert torch.allclose(value, ckpt[name], atol=1e-6), name
+
+
+def test_learner_mfu_is_model_flops_over_the_peak_of_the_step_s_threads():
+    from trainer.peak import learner_mfu, learner_peak
+
+    # 6 x 100 params x 50 tokens in 2 s = 15,000 FLOP/s, against 1,000 FLOP/s a thread x 2.5 threads x 2 ranks
+    assert learner_mfu(100, 50, 2.0, 1000.0, 2.5, 2) == pytest.approx(15000 / 5000)
+    threads = torch.get_num_threads()
+    peak = learner_peak(torch.device("cpu"), "none")
+    assert 1e8 < peak < 1e13 and torch.get_num_threads() == threads  # one thread's fp32 rate, the count restored

@@ -19,6 +19,7 @@ from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
+from trainer.peak import learner_mfu, learner_peak
 from trainer.policy import decoder_layers
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class _Loop:
         cores = self.shared.cores
         if cores is not None and cores.moves_in_step and not cfg.train.compile:  # a compiled stack takes no hooks
             follow_workers(decoder_layers(learner.policy.lm), cores, self.threads)
+        # rank 0's row: the step's model FLOPs utilisation against a matmul peak measured here, before the clock
+        self.params = sum(p.numel() for p in learner.policy.parameters())
+        self.peak = learner_peak(learner.device, learner.train.autocast) if self.lead else 0.0
         self.start = time.time() - elapsed
         self.last_row = (self.start, 0)  # rank 0: (time, tokens generated so far) at the last row
 
@@ -193,6 +197,9 @@ class _Loop:
         now, tokens = time.time(), counts.pop("tokens")
         last_time, last_tokens = self.last_row
         train_time = perf["perf/train_step_s"]
+        threads = perf["perf/train_threads"] if self.learner.device.type == "cpu" else 1
+        mfu = learner_mfu(self.params, metrics["train/tokens"], train_time, self.peak, threads,
+                          self.learner.rank.world_size)
         self.log.log({
             "step": step, "time_s": round(now - self.start, 3),
             "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
@@ -200,7 +207,7 @@ class _Loop:
             "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
             "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
             "reward/batch_mean": batch.rewards.mean().item(),
-            "perf/train_step_s": train_time, "perf/wait_s": perf["perf/wait_s"],
+            "perf/train_step_s": train_time, "perf/learner_mfu": mfu, "perf/wait_s": perf["perf/wait_s"],
             "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
             **_peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
             **counts, **info, **metrics, **results,
