@@ -1,6 +1,6 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
-    python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16]
+    python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes fp32,bf16]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
@@ -14,6 +14,7 @@ around the matmuls), prints its compile time and its speed against eager bf16 in
 """
 import argparse
 import socket
+import sys
 import time
 
 import torch
@@ -66,6 +67,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--algo", default="grpo")
     parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="which of fp32 and bf16 (autocast) to measure")
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     args = parser.parse_args()
@@ -79,7 +81,10 @@ def main():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
-    cases = ([(False, torch.float32, False), (True, torch.bfloat16, False)]
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"fp32", "bf16"}:
+        sys.exit(f"error: --dtypes {args.dtypes!r}: write fp32, bf16 or fp32,bf16")
+    cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
     for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
@@ -97,7 +102,8 @@ def main():
         else:
             mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16, the default run's learner
     dist.destroy_process_group()
-    print(f"mfu={mfu:.3f}")
+    if mfu is not None:
+        print(f"mfu={mfu:.3f}")
 
 
 if __name__ == "__main__":
