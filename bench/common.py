@@ -1,6 +1,7 @@
 """Shared by the benchmarks: the model, prompts from the default task, a matmul peak measured in-run, and the
 median of times some of which never came."""
 import statistics
+import sys
 import time
 
 import torch
@@ -66,3 +67,14 @@ def median(values: list):
         return ranked[(len(ranked) - 1) // 2]
     pair = ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]
     return None if None in pair else statistics.median(pair)
+
+
+def parse_vary(texts: list[str], reserved: tuple[str, ...]) -> dict[str, list[str]]:
+    """`--vary 'name=key=value key=value'` -> {name: overrides}; a name must be new and not one of `reserved`."""
+    out = {}
+    for text in texts:
+        name, _, overrides = text.partition("=")
+        if not name or "=" not in overrides or name in reserved or name in out:
+            sys.exit(f"error: --vary {text!r}: write 'name=key=value [key=value ...]' with a new name")
+        out[name] = overrides.split()
+    return out

@@ -23,6 +23,10 @@ import os
 import random
 import subprocess
 import sys
+from functools import partial
+
+from bench.common import parse_vary as common_parse_vary
+from launch.summary import completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = ["cluster.activation_checkpointing=false"]
@@ -50,10 +54,8 @@ def write_gsm8k_like(path: str, count: int = 400, seed: int = 0) -> None:
 
 
 def run(folder: str, overrides: list[str], data: str, steps: int) -> None:
-    if os.path.exists(os.path.join(folder, "summary.json")):
-        with open(os.path.join(folder, "summary.json")) as f:
-            if json.load(f).get("status") == "completed":
-                return
+    if completed(folder, steps):
+        return
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, f"task.path={data}", f"steps={steps}",
            *overrides, f"hydra.run.dir={folder}"]
     print(" ".join(cmd[1:]), flush=True)
@@ -73,7 +75,7 @@ def read(folder: str) -> dict:
             "completion_len": sum(r["perf/completion_len"] for r in rows) / len(rows)}
 
 
-def held_by_construction(overrides: list[str]) -> dict[str, float]:
+def held_by_construction() -> dict[str, float]:
     """MB each process holds whatever the batch: the trainer's state and a rollout worker's engine."""
     import torch
 
@@ -81,8 +83,8 @@ def held_by_construction(overrides: list[str]) -> dict[str, float]:
     from launch.config import compose, parse
     from launch.plan import resolve_precision
 
-    cfg = parse(compose([*COMMON, "task.path=unused", *overrides]))
-    model, tokenizer = load(cfg.model.path)
+    cfg = parse(compose([*COMMON, "task.path=unused"]))
+    model, _ = load(cfg.model.path)
     params = sum(p.numel() for p in model.parameters())
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -98,14 +100,7 @@ def held_by_construction(overrides: list[str]) -> dict[str, float]:
             f"rollout worker: KV cache ({cfg.rollout.max_batch} slots x {max_len} tokens, {dtype})": kv / mb}
 
 
-def parse_vary(texts: list[str]) -> dict[str, list[str]]:
-    out = {}
-    for text in texts:
-        name, _, rest = text.partition("=")
-        if not rest or name in ("before", "now") or name in out:
-            sys.exit(f"error: --vary {text!r}: write 'name=key=value [key=value ...]' with a new name")
-        out[name] = rest.split()
-    return out
+parse_vary = partial(common_parse_vary, reserved=("before", "now"))
 
 
 def main():
@@ -132,7 +127,7 @@ def main():
         parts = ", ".join(f"{k} {v:,}" for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))
         print(f"| {name} | {r['peak']:,} | {parts} | {r['s_per_step']:.1f} | {r['completion_len']:.0f} |")
     print("\nheld by construction, whatever the batch (MB):")
-    for what, mb in held_by_construction([]).items():
+    for what, mb in held_by_construction().items():
         print(f"  {what}: {mb:,.0f}")
     print()
     for name, r in results.items():

@@ -36,8 +36,10 @@ import os
 import statistics
 import subprocess
 import sys
+from functools import partial
 
 from bench.common import median
+from bench.common import parse_vary as common_parse_vary
 from launch.summary import THRESHOLDS, completed, time_to_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,15 +165,7 @@ def baseline_tree(out: str, commit: str) -> str:
     return path
 
 
-def parse_vary(texts: list[str]) -> dict[str, list[str]]:
-    """`--vary 'name=key=value key=value'` -> {name: overrides}."""
-    out = {}
-    for text in texts:
-        name, _, overrides = text.partition("=")
-        if not name or "=" not in overrides or name in ("now", "baseline") or name in out:
-            sys.exit(f"error: --vary {text!r}: write 'name=key=value [key=value ...]' with a new name")
-        out[name] = overrides.split()
-    return out
+parse_vary = partial(common_parse_vary, reserved=("now", "baseline"))  # `--vary` of the seeds mode
 
 
 def run_seeds(out: str, steps: int, seeds: list[int], settings: dict[str, tuple[str, list[str]]]) -> None:

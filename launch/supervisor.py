@@ -189,8 +189,9 @@ class Supervisor:
         if now < self._next_sample:
             return
         parts = tree_pss_parts_mb({p.pid: name for name, p in self.procs.items() if p.pid is not None})
-        if sum(parts.values()) > self.peak_mb:
-            self.peak_mb, self.peak_parts = sum(parts.values()), parts
+        total = sum(parts.values())
+        if total > self.peak_mb:
+            self.peak_mb, self.peak_parts = total, parts
         self._next_sample = now + max(1.0, 20 * (time.monotonic() - now))
 
     def _describe(self, name: str, exitcode: int) -> str:
