@@ -82,7 +82,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
     import tasks
     from buffer.ring import TrajectoryRing
-    from buffer.staleness import StalenessGate, lane_slots
+    from buffer.staleness import StalenessGate, engine_slots, lane_slots
     from engines.arch import engine_path
     from evaluate import longest_request
     from launch.heartbeat import Allowance, Heartbeats
@@ -132,8 +132,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
                      resume_path=resume["path"] if resume else "", resume_step=resume["step"] if resume else 0,
                      multi_turn=task.env is not None)
-    engines = [plan.engine(w, rollout.max_batch, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
-               for w in range(workers)]
+    slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, rollout.group_size, rollout.max_batch)
+    engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype) for w in range(workers)]
     port = free_port()
     start = time.time()
     error = None

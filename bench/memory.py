@@ -1,10 +1,11 @@
 """Peak memory of the long-completion run, `python train.py algo=tb task=gsm8k`, and where it goes.
 
-    python -m bench.memory [--path gsm8k.jsonl] [--steps 3] [--vary 'name=key=value ...' ...]
+    python -m bench.memory [--baseline 5ca73ac] [--path gsm8k.jsonl] [--steps 3] [--vary 'name=key=value ...' ...]
 
 Each setting is a whole `train.py algo=tb task=gsm8k steps=3` run in its own process tree, on this machine:
-  - `before`: the command as it ran before long completions were checkpointed (cluster.activation_checkpointing
-    off); `now`: the command as it runs today; and each `--vary` setting (`now` with those overrides).
+  - `before`: the same command from a git worktree of `--baseline` (default 5ca73ac, the commit before issue 32's
+    memory work: no activation checkpointing, the dense [L, L] attention, 64 engine slots); `now`: the command as
+    it runs today; and each `--vary` setting (`now` with those overrides).
   - `--path`: a local copy of GSM8K (a JSONL file in its format). Without it, a GSM8K-shaped file is written
     under --out: templated grade-school word problems of GSM8K's length with '#### <n>' answers. Memory depends
     on the shape of the work (prompts of ~60 tokens, completions of up to rollout.max_new_tokens=512), not on
@@ -26,10 +27,12 @@ import sys
 from functools import partial
 
 from bench.common import parse_vary as common_parse_vary
+from bench.time_to_reward import baseline_tree
+from buffer.staleness import engine_slots
 from launch.summary import completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEFORE = ["cluster.activation_checkpointing=false"]
+BASELINE = "5ca73ac"  # the commit before issue 32
 COMMON = ["algo=tb", "task=gsm8k", "eval.every=0", "eval.k=1", "task.max_test=8", "progress=false",
           "checkpoint.at_end=false"]
 NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Mark", "Albert", "Ken", "Alexis", "Tina", "Randy", "Joy")
@@ -53,13 +56,14 @@ def write_gsm8k_like(path: str, count: int = 400, seed: int = 0) -> None:
             f.write(json.dumps({"question": question, "answer": answer}) + "\n")
 
 
-def run(folder: str, overrides: list[str], data: str, steps: int) -> None:
+def run(folder: str, overrides: list[str], data: str, steps: int, root: str = ROOT) -> None:
+    """One setting's run, from the source tree `root` (a baseline's worktree, or this one)."""
     if completed(folder, steps):
         return
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, f"task.path={data}", f"steps={steps}",
+    cmd = [sys.executable, os.path.join(root, "train.py"), *COMMON, f"task.path={data}", f"steps={steps}",
            *overrides, f"hydra.run.dir={folder}"]
     print(" ".join(cmd[1:]), flush=True)
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(overrides) or 'now'} failed:\n{result.stderr[-2000:]}")
 
@@ -92,12 +96,13 @@ def held_by_construction() -> dict[str, float]:
     size = torch.finfo(getattr(torch, dtype)).bits // 8
     prompt = 120  # GSM8K's longest prompts in the chat template, tokens (about twice the mean)
     max_len = prompt + cfg.rollout.max_new_tokens
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size * cfg.rollout.max_batch * max_len
+    slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, cfg.rollout.group_size, cfg.rollout.max_batch)
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size * slots * max_len
     mb = 2**20
     return {"trainer: fp32 weights": 4 * params / mb, "trainer: gradients": 4 * params / mb,
             "trainer: AdamW moments": 8 * params / mb, "trainer: tb's frozen reference (fp32)": 4 * params / mb,
             f"rollout worker: engine weights ({dtype})": size * params / mb,
-            f"rollout worker: KV cache ({cfg.rollout.max_batch} slots x {max_len} tokens, {dtype})": kv / mb}
+            f"rollout worker: KV cache ({slots} slots x {max_len} tokens, {dtype})": kv / mb}
 
 
 parse_vary = partial(common_parse_vary, reserved=("before", "now"))
@@ -105,6 +110,7 @@ parse_vary = partial(common_parse_vary, reserved=("before", "now"))
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline", default=BASELINE, help="the commit whose run is `before`")
     parser.add_argument("--path", default="", help="a local GSM8K JSONL (default: a GSM8K-shaped file)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--vary", action="append", default=[], help="'name=key=value ...', repeatable")
@@ -114,13 +120,15 @@ def main():
     data = os.path.abspath(args.path) if args.path else os.path.join(os.path.abspath(args.out), "gsm8k_like.jsonl")
     if not args.path:
         write_gsm8k_like(data)
-    settings = {"before": BEFORE, "now": [], **parse_vary(args.vary)}
+    trees = {"before": baseline_tree(args.out, args.baseline)}
+    settings = {"before": [], "now": [], **parse_vary(args.vary)}
     results = {}
     for name, overrides in settings.items():
         folder = os.path.join(os.path.abspath(args.out), name)
-        run(folder, overrides, data, args.steps)
+        run(folder, overrides, data, args.steps, trees.get(name, ROOT))
         results[name] = read(folder)
-    print(f"\nalgo=tb task=gsm8k, {args.steps} steps, data: {'GSM8K-shaped' if not args.path else args.path}\n")
+    print(f"\nalgo=tb task=gsm8k, {args.steps} steps, before: {args.baseline}, "
+          f"data: {'GSM8K-shaped' if not args.path else args.path}\n")
     print("| setting | peak MB | at the peak, by process (MB) | s/step (steps 2 on) | mean completion tokens |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in results.items():

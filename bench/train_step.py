@@ -1,6 +1,7 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes fp32,bf16]
+                               [--attention auto|segments|dense|both]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
@@ -10,7 +11,11 @@ model's own matmul shapes (the step's projections timed alone): a narrow model's
 bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
 `mfu=<fraction>` (bf16 autocast, against the square-matmul peak). `--compile` also measures bf16 with
 `train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and casts
-around the matmuls), prints its compile time and its speed against eager bf16 in the same run.
+around the matmuls), prints its compile time and its speed against eager bf16 in the same run. `--attention`: how
+packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or more per segment, the
+others through the dense mask), `segments` every row with one call per prompt and per completion
+(trainer/attention.py), `dense` every row through the [L, L] shared-prompt mask; `both` measures each dtype
+per segment and dense and ends with `segments_vs_dense=<dense s/step over segments'>` (bf16's, else fp32's).
 """
 import argparse
 import socket
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import algos
+import trainer.attention
 from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts
 from buffer.ring import Group
 from launch.schema import RolloutConfig, TrainConfig
@@ -68,6 +74,8 @@ def main():
     parser.add_argument("--algo", default="grpo")
     parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
     parser.add_argument("--dtypes", default="fp32,bf16", help="which of fp32 and bf16 (autocast) to measure")
+    parser.add_argument("--attention", default="auto", choices=["auto", "segments", "dense", "both"],
+                        help="rows: as the trainer, one call per segment, the dense mask, or both (compared)")
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     args = parser.parse_args()
@@ -86,24 +94,33 @@ def main():
         sys.exit(f"error: --dtypes {args.dtypes!r}: write fp32, bf16 or fp32,bf16")
     cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
-    for autocast, dtype, compiled in cases:
+    ways = ["segments", "dense"] if args.attention == "both" else [args.attention]
+    cases = [(*case, way) for case in cases for way in ways]
+    by_way, min_row = {}, trainer.attention.MIN_ROW
+    for autocast, dtype, compiled, way in cases:
+        trainer.attention.MIN_ROW = {"auto": min_row, "segments": 0, "dense": 1 << 62}[way]
         peak = matmul_peak_flops(dtype)
         seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
                                                   args.completion_len)
+        if not compiled:
+            by_way[way] = seconds
         ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = 6 * params * tokens / seconds
-        name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
+        name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "") + \
+            (f" {way}" if len(ways) > 1 else "")
         print(f"{name:22s} {tokens} tokens/step  {seconds:.2f} s/step  {tokens / seconds:.0f} tokens/s  "
               f"{achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  MFU {achieved / peak:.1%}  "
               f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} GFLOP/s "
               f"= {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")
         if compiled:
             print(f"compiled vs eager bf16: {seconds_by / seconds:.2f}x")
-        else:
+        elif way == ways[0]:
             mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16, the default run's learner
     dist.destroy_process_group()
     if mfu is not None:
         print(f"mfu={mfu:.3f}")
+    if len(ways) > 1:
+        print(f"segments_vs_dense={by_way['dense'] / by_way['segments']:.2f}")
 
 
 if __name__ == "__main__":

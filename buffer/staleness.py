@@ -41,6 +41,14 @@ def lane_slots(max_staleness: int, batch_groups: int) -> int:
     return started_limit(0, max_staleness, batch_groups) + 1
 
 
+def engine_slots(max_staleness: int, batch_groups: int, group_size: int, max_batch: int) -> int:
+    """Sequences one rollout worker's engine may decode at once: rollout.max_batch, but never more than the bound
+    lets be in flight, (max_staleness + 1) * B groups of K. A slot past that would never fill, and its KV cache
+    (max_prompt_len + max_new_tokens a slot) would only take memory: 445 MB of GSM8K's 64 slots at eta = 0.
+    A multi-turn episode's parked slot is one of its group's K."""
+    return min(max_batch, started_limit(0, max_staleness, batch_groups) * group_size)
+
+
 class StalenessGate:
     """AReaL's bound: a worker may start a new group only while groups_started + 1 <= started_limit(version)."""
 

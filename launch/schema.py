@@ -78,7 +78,9 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling threshold
     max_new_tokens: int = 16  # completion budget per sample (a task's preset may raise it: gsm8k 512)
-    max_batch: int = 64  # sequences decoded together per rollout worker (engine slots)
+    # sequences decoded together per rollout worker (engine slots), at most: never more than the staleness bound
+    # lets be in flight, (max_staleness + 1) x train.batch_groups x group_size (buffer/staleness.py engine_slots)
+    max_batch: int = 64
     max_prompt_len: int = 0  # prompt token budget; longer prompts are skipped or cut (0: the longest in the data)
     long_prompts: str = "skip"  # skip | truncate: what happens to a prompt over max_prompt_len (both counted)
     # auto | bfloat16 | float32: the engine's weights and matmuls. auto: bfloat16 where the device computes it

@@ -168,3 +168,14 @@ def test_a_lane_holds_every_group_the_gate_lets_one_worker_start():
         gate = StalenessGate(batch_groups=b, max_staleness=eta)
         assert starts_until_refused(gate) == started_limit(0, eta, b) == (eta + 1) * b
         assert lane_slots(eta, b) == starts_until_refused(StalenessGate(b, eta)) + 1  # plus the one being written
+
+
+def test_an_engine_gets_the_slots_of_every_sequence_the_gate_lets_be_in_flight_and_no_more():
+    from buffer.staleness import engine_slots
+
+    k = 8
+    for eta, b, max_batch in [(0, 4, 64), (2, 4, 64), (1, 2, 64), (0, 1, 8), (4, 3, 16)]:
+        in_flight = starts_until_refused(StalenessGate(b, eta)) * k  # every group started, none delivered yet
+        slots = engine_slots(eta, b, k, max_batch)
+        assert slots == min(max_batch, in_flight)
+    assert engine_slots(0, 4, 8, 64) == 32  # GSM8K's tb run: half the KV cache it had

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from engines.buckets import engine_name
+from trainer.attention import Spans, use_segment_attention
 from trainer.batch import PAD
 from trainer.lora import Adapters, merged
 
@@ -23,6 +24,8 @@ class TokenLogprobs(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        # Long rows skip the dense mask's masked-out pairs (trainer/attention.py), where the model allows it.
+        self.segment_attention = use_segment_attention(lm)
 
     def published_shapes(self) -> list[tuple[str, torch.Tensor]]:
         """(name, meta tensor) of every weight the trainer publishes, in the order it streams them (full_state):
@@ -32,10 +35,11 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
+        spans = {"segment_spans": Spans.of(segments)} if self.segment_attention and Spans.worth_it(segments) else {}
         # use_cache=False: no KV cache to fill (and, under activation checkpointing, none that the recomputed
         # forward would append to a second time)
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
+                                    use_cache=False, **spans).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
         return self.head(picked.flatten(0, 1), targets, temperature, entropy)
 
@@ -141,6 +145,7 @@ def compile_stack(policy: nn.Module) -> None:
     weight sync are unchanged). Dynamic shapes, since every batch has its own length. Inductor fuses the
     element-wise work and casts around the matmuls, most of a bf16 step on the CPU; one graph for the whole
     stack fuses more than one per layer does (bench/train_step.py: 2.4 vs 3.0 s a bf16 step, eager 3.3)."""
+    policy.segment_attention = False  # its per-batch layout would make dynamo recompile for every batch
     policy.lm.base_model.compile(dynamic=True)
 
 

@@ -1,0 +1,98 @@
+"""trainer/attention.py: attention over packed group rows, one call per prompt and per completion, against the
+dense [L, L] shared-prompt mask it replaces for long rows."""
+import pytest
+import torch
+
+import trainer.attention as attention
+from buffer.ring import Group
+from tests.tiny_models import tiny_model
+from trainer.attention import Spans
+from trainer.batch import pack
+from trainer.policy import TokenLogprobs
+
+
+def _groups(lens: list[list[int]], prompts: list[int], seed: int = 0, vocab: int = 512) -> list[Group]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for index, (n, p) in enumerate(zip(lens, prompts)):
+        k, longest = len(n), max(n)
+        out.append(Group(torch.randint(3, vocab, (p,), generator=g), torch.randint(3, vocab, (k, longest), generator=g),
+                         torch.tensor(n), torch.zeros(k, longest), torch.zeros(k, longest, dtype=torch.long),
+                         torch.rand(k, generator=g), torch.zeros(k, dtype=torch.bool), index, index, 0))
+    return out
+
+
+def test_spans_say_where_each_prompt_and_completion_lies():
+    batch = pack(_groups([[3, 1, 4], [2, 2, 5]], prompts=[6, 2]))
+    spans = Spans.of(batch.segments)
+    # row 0: prompt 6, completions of 3, 1, 4 tokens back to back; row 1: prompt 2, then 2, 2, 5; padded to 14
+    assert spans.rows == [(6, [(6, 9), (9, 10), (10, 14)], 14), (2, [(2, 4), (4, 6), (6, 11)], 11)]
+    assert batch.segments.shape[1] == 14
+    mask = spans.mask(2, 3)  # a 3-token completion after a 2-token prompt
+    assert mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+
+
+def _logprobs_and_grads(policy, batch):
+    policy.zero_grad()
+    out = policy(batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.8)
+    (out * batch.mask).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma", "gpt2"])
+def test_per_segment_attention_gives_the_dense_mask_s_logprobs_and_gradients(kind, monkeypatch):
+    policy = TokenLogprobs(tiny_model(kind))
+    assert policy.segment_attention
+    batch = pack(_groups([[40, 1, 17, 33], [5, 60, 2, 9], [21, 21, 21, 21]], prompts=[23, 7, 1], seed=1))
+    monkeypatch.setattr(attention, "MIN_ROW", 10**9)  # every row below it: the dense mask
+    dense, dense_grads = _logprobs_and_grads(policy, batch)
+    used = []
+    monkeypatch.setattr(attention, "MIN_ROW", 1)
+    monkeypatch.setattr(Spans, "of", staticmethod(lambda seg, of=Spans.of: used.append(1) or of(seg)))
+    spans, span_grads = _logprobs_and_grads(policy, batch)
+    assert used, "the per-segment path was not taken"
+    real = batch.mask.bool()
+    assert int(real.sum()) == 40 + 1 + 17 + 33 + 5 + 60 + 2 + 9 + 21 * 4
+    torch.testing.assert_close(spans[real], dense[real], atol=2e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        assert (span_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
+def test_short_rows_keep_the_dense_mask_and_eager_models_keep_their_attention(monkeypatch):
+    used = []
+    monkeypatch.setattr(Spans, "of", staticmethod(lambda seg, of=Spans.of: used.append(1) or of(seg)))
+    policy = TokenLogprobs(tiny_model("llama3"))
+    short = pack(_groups([[3, 4], [5, 1]], prompts=[4, 4]))
+    assert short.segments.shape[1] < attention.MIN_ROW
+    policy(short.input_ids, short.position_ids, short.segments, short.gather, short.targets, 1.0)
+    assert not used
+    eager = tiny_model("llama3", attn_implementation="eager")
+    assert not TokenLogprobs(eager).segment_attention and eager.config._attn_implementation == "eager"
+    monkeypatch.setattr(attention, "MIN_ROW", 1)
+    a = TokenLogprobs(eager)(short.input_ids, short.position_ids, short.segments, short.gather, short.targets, 1.0)
+    assert not used and torch.isfinite(a).all()  # no layout handed to a model that would not use it
+
+
+def test_the_checkpoint_s_config_keeps_the_model_s_own_attention(tmp_path):
+    import json
+
+    lm = tiny_model("llama3")
+    TokenLogprobs(lm)
+    lm.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert attention.NAME not in json.dumps(saved)
+
+
+def test_a_switched_model_still_masks_as_sdpa_for_callers_without_a_4d_mask():
+    """Two sequences back to back in one row, told apart by positions that restart: the mask HF builds from them
+    must keep the second from seeing the first, as under SDPA."""
+    sdpa, switched = tiny_model("llama3"), tiny_model("llama3")
+    assert TokenLogprobs(switched).segment_attention
+    ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        want = sdpa.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        got = switched.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        alone = sdpa.model(input_ids=ids[:, 5:], use_cache=False).last_hidden_state
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got[:, 5:], alone, atol=1e-5, rtol=1e-5)

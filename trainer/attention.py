@@ -1,0 +1,114 @@
+"""Attention over packed group rows without the [L, L] square: each prompt once, then each completion against its
+prompt's keys and its own.
+
+A packed row (trainer/batch.py) holds a group's prompt and its K completions back to back, and completion i sees
+the prompt and itself only. Through a dense [L, L] mask every kernel computes all L x L pairs and then masks
+most of them out: for 8 completions of ~300 tokens after a ~90-token prompt that is 7x the pairs that count.
+`segment_attention` computes only the pairs that count, with one SDPA call for the prompt
+(causal) and one per completion (queries: the completion; keys: the prompt's, then its own, causally). The
+result is the dense mask's up to rounding: the same keys, summed in a different order.
+
+It is a Hugging Face attention function (transformers' AttentionInterface), so it runs inside any causal LM
+built on that interface (Llama, Qwen, Mistral, GPT-2, ...). `use_segment_attention(lm)` switches a model to it
+where the model allows (otherwise it keeps its own attention with the dense mask); `Spans.of(segments)` is the
+layout the forward passes down to it as `segment_spans=`. Without that argument it is plain SDPA, so generation
+and any other caller of the model are unchanged. Short rows keep the dense mask (`Spans.worth_it`): there the
+square is small and one kernel call beats K + 1.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+NAME = "ringrl_segments"
+# Rows at least this long take one call per segment; shorter ones the dense mask, where one kernel call beats
+# K + 1 small ones: on a 2-core CPU in bf16 the two cross between rows of 370 and 730 tokens (docs/benchmarks.md;
+# `python -m bench.train_step --completion-len N --attention both` compares them).
+MIN_ROW = 512
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention arguments the per-segment calls do not apply
+
+
+@dataclass
+class Spans:
+    """Where each packed row's segments lie: `rows[r]` = (prompt length, [(start, stop) of each completion], used
+    length). The [c, prompt + c] masks of the completions are made once per forward and shared by every layer."""
+    rows: list[tuple[int, list[tuple[int, int]], int]]
+    device: torch.device
+    masks: dict = field(default_factory=dict)
+
+    @staticmethod
+    def of(segments: torch.Tensor) -> "Spans":
+        """From [G, L] segment ids (0 prompt, i + 1 completion i, PAD padding; prompt first, then the completions
+        in order, as trainer.batch.pack lays them out)."""
+        rows = []
+        for ids in segments.cpu().tolist():
+            counts: dict[int, int] = {}
+            for s in ids:
+                counts[s] = counts.get(s, 0) + 1
+            prompt, start, spans = counts.get(0, 0), counts.get(0, 0), []
+            for i in sorted(s for s in counts if s > 0):
+                spans.append((start, start + counts[i]))
+                start += counts[i]
+            rows.append((prompt, spans, start))
+        return Spans(rows, segments.device)
+
+    @staticmethod
+    def worth_it(segments: torch.Tensor) -> bool:
+        return segments.shape[1] >= MIN_ROW
+
+    def mask(self, prompt: int, length: int) -> torch.Tensor:
+        """[length, prompt + length] bool: every prompt key, then causal within the completion."""
+        key = (prompt, length)
+        if key not in self.masks:
+            causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
+            self.masks[key] = torch.cat([causal.new_ones(length, prompt), causal], 1)
+        return self.masks[key]
+
+
+def segment_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,
+                      dropout: float = 0.0, segment_spans: Spans | None = None, **kwargs):
+    """query [R, H, L, d], key and value [R, H_kv, L, d] -> ([R, L, H, d], None), as transformers' attention
+    functions. Without `segment_spans`, or for a layer whose attention is more than a softmax over the allowed keys
+    (a sliding window, logit soft-capping, sink logits), transformers' own SDPA with `attention_mask`."""
+    if segment_spans is None or any(kwargs.get(name) is not None for name in UNSUPPORTED):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    heads, length = query.shape[1], query.shape[2]
+    if key.shape[1] != heads:  # grouped-query attention: each key/value head serves heads // H_kv query heads
+        key, value = key.repeat_interleave(heads // key.shape[1], 1), value.repeat_interleave(heads // key.shape[1], 1)
+    rows = []
+    for r, (prompt, spans, used) in enumerate(segment_spans.rows):
+        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
+        kp, vp = k[:, :, :prompt], v[:, :, :prompt]
+        pieces = [sdpa(q[:, :, :prompt], kp, vp, is_causal=True, dropout_p=dropout, scale=scaling)]
+        for a, b in spans:
+            keys, values = torch.cat([kp, k[:, :, a:b]], 2), torch.cat([vp, v[:, :, a:b]], 2)
+            pieces.append(sdpa(q[:, :, a:b], keys, values, attn_mask=segment_spans.mask(prompt, b - a),
+                               dropout_p=dropout, scale=scaling))
+        if used < length:  # padding: never read by a real position
+            pieces.append(q.new_zeros(1, heads, length - used, q.shape[3]))
+        rows.append(torch.cat(pieces, 2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def use_segment_attention(lm: nn.Module) -> bool:
+    """Switch a Hugging Face causal LM from SDPA to `segment_attention`, where it allows; True if it did. A model
+    on another attention (eager, flash-attn) or one that does not take attention functions is left as it is."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under a LoRA (peft) wrapper
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME):
+        return False
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    AttentionInterface.register(NAME, segment_attention)
+    # Masks as SDPA's: a caller that hands the model no 4D mask (packed sequences told apart by their positions,
+    # a plain causal forward) gets the mask SDPA would, and `segment_attention` is SDPA without a layout.
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(NAME)
+    return config._attn_implementation == NAME
