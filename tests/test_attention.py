@@ -96,3 +96,24 @@ def test_a_switched_model_still_masks_as_sdpa_for_callers_without_a_4d_mask():
         alone = sdpa.model(input_ids=ids[:, 5:], use_cache=False).last_hidden_state
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got[:, 5:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_per_segment_attention_under_activation_checkpointing_gives_the_dense_gradients(monkeypatch):
+    """GSM8K's preset: each decoder layer recomputed in the backward, with the layout handed down as a keyword."""
+    from trainer.policy import checkpoint_layers
+
+    policy = TokenLogprobs(tiny_model("qwen3"))
+    checkpoint_layers(policy)
+    batch = pack(_groups([[30, 12, 25], [9, 31, 4]], prompts=[11, 5], seed=2))
+    monkeypatch.setattr(attention, "MIN_ROW", 10**9)
+    dense, dense_grads = _logprobs_and_grads(policy, batch)
+    used = []
+    monkeypatch.setattr(attention, "MIN_ROW", 1)
+    monkeypatch.setattr(attention, "sdpa", lambda *a, sdpa=attention.sdpa, **k: used.append(1) or sdpa(*a, **k))
+    spans, span_grads = _logprobs_and_grads(policy, batch)
+    # inside the layers, in the forward and again in the backward's recompute: (1 prompt + 3 completions) x 2 rows
+    # x 2 layers x 2
+    assert len(used) == 4 * 2 * 2 * 2
+    torch.testing.assert_close(spans[batch.mask.bool()], dense[batch.mask.bool()], atol=2e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        assert (span_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
