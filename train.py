@@ -121,7 +121,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         ring=TrajectoryRing(workers * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
                             max_prompt_len, rollout.max_new_tokens, num_producers=workers),
         gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0),
-        weights=plan.weights(facts.meta_model(model_path)),
+        weights=plan.weights(facts.meta_model(model_path), rollout.dtype),
         counters=WorkerCounters(workers),
         stop=sup.stop,
         finish=sup.finished,

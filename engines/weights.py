@@ -40,9 +40,11 @@ class WeightStore:
         self._header = torch.zeros(2, dtype=torch.int64).share_memory_()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> "WeightStore":
-        """A store for every floating-point entry of `model.state_dict()` (tied weights are kept under each name)."""
-        return cls({k: (v.shape, v.dtype) for k, v in model.state_dict().items() if v.is_floating_point()})
+    def for_model(cls, model: torch.nn.Module, dtype: torch.dtype | None = None) -> "WeightStore":
+        """A store for every floating-point entry of `model.state_dict()` (tied weights are kept under each name),
+        held in `dtype` when given: the engines' own, so a bf16 engine's store is half an fp32 one and a publication
+        rounds each weight to it once, as the engine's load would."""
+        return cls({k: (v.shape, dtype or v.dtype) for k, v in model.state_dict().items() if v.is_floating_point()})
 
     @property
     def version(self) -> int:

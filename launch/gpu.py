@@ -73,7 +73,7 @@ class GPUPlan:
     def trainer_ranks(self) -> int:
         return self.layout.num_trainer_ranks
 
-    def weights(self, meta_model):
+    def weights(self, meta_model, dtype: str = "float32"):  # dtype: buckets travel as the engines take them
         import torch
 
         from engines import ENGINES

@@ -77,8 +77,9 @@ class Plan(Protocol):
     trainer_ranks: int  # trainer processes, one Placement each
     max_restarts: int  # a dead rollout worker is restarted this many times
 
-    def weights(self, meta_model):
-        """The weight path (engines.base.WeightPath) for this model's parameters, built before any spawn."""
+    def weights(self, meta_model, dtype: str = "float32"):
+        """The weight path (engines.base.WeightPath) for this model's parameters, built before any spawn. `dtype`:
+        the engines' (rollout.dtype, settled), in which the CPU plan's store holds them."""
         ...
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
@@ -108,10 +109,12 @@ class CPUPlan:
     engine_kind: str  # rollout.engine, settled for this plan (engine_kind): a module of engines.ENGINES
     checkpointing: bool = False  # cluster.activation_checkpointing, in the trainer ranks
 
-    def weights(self, meta_model):
+    def weights(self, meta_model, dtype: str = "float32"):
+        import torch
+
         from engines.weights import WeightStore
 
-        return WeightStore.for_model(meta_model)
+        return WeightStore.for_model(meta_model, getattr(torch, dtype))
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
         from engines import ENGINES

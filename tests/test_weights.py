@@ -94,3 +94,19 @@ def test_for_model_keeps_floating_state_and_tied_weights():
     copy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False), torch.nn.BatchNorm1d(10))
     store.read_into(dict(copy.named_parameters()))
     assert torch.equal(copy[1].weight, model[0].weight) and torch.equal(copy[0].weight, model[0].weight)
+
+
+def test_a_store_in_the_engines_dtype_holds_half_and_reads_what_the_engine_would_load():
+    model = torch.nn.Linear(64, 32)
+    full, half = WeightStore.for_model(model), WeightStore.for_model(model, torch.bfloat16)
+    assert sum(b.numel() * b.element_size() for b in half._buffers.values()) * 2 == \
+        sum(b.numel() * b.element_size() for b in full._buffers.values())
+    for store in (full, half):
+        store.publish(model.state_dict().items(), version=1)
+    from_full = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in model.state_dict().items()}
+    from_half = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in model.state_dict().items()}
+    full.read_into(from_full)
+    half.read_into(from_half)
+    for name in from_full:  # rounded once either way: at publication or at the engine's load
+        assert torch.equal(from_half[name], from_full[name])
+        assert torch.equal(from_half[name], model.state_dict()[name].to(torch.bfloat16))
