@@ -1,12 +1,16 @@
 """Shared by the benchmarks: the model, prompts from the default task, a matmul peak measured in-run, and the
 median of times some of which never came."""
+import os
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
 from trainer.peak import matmul_peak_flops  # noqa: F401  (moved there: the run's metrics use it too)
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -78,3 +82,17 @@ def parse_vary(texts: list[str], reserved: tuple[str, ...]) -> dict[str, list[st
             sys.exit(f"error: --vary {text!r}: write 'name=key=value [key=value ...]' with a new name")
         out[name] = overrides.split()
     return out
+
+
+def baseline_tree(out: str, commit: str) -> str:
+    """A checkout of `commit` (a detached git worktree under `out`, made once) to run the baseline from."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=_REPO, capture_output=True,
+                         text=True)
+    if sha.returncode != 0:
+        sys.exit(f"error: --baseline {commit}: not a commit of this repository (git log --oneline lists them)")
+    path = os.path.join(os.path.abspath(out), f"src_{sha.stdout.strip()[:12]}")
+    if not os.path.exists(os.path.join(path, "train.py")):
+        subprocess.run(["git", "worktree", "prune"], cwd=_REPO, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=_REPO, check=True,
+                       capture_output=True)
+    return path

@@ -26,8 +26,8 @@ import subprocess
 import sys
 from functools import partial
 
+from bench.common import baseline_tree
 from bench.common import parse_vary as common_parse_vary
-from bench.time_to_reward import baseline_tree
 from buffer.staleness import engine_slots
 from launch.summary import completed
 

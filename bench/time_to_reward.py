@@ -38,7 +38,7 @@ import subprocess
 import sys
 from functools import partial
 
-from bench.common import median
+from bench.common import baseline_tree, median
 from bench.common import parse_vary as common_parse_vary
 from launch.summary import THRESHOLDS, completed, time_to_reward
 
@@ -149,20 +149,6 @@ def plot(results: dict, png: str) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
-
-
-def baseline_tree(out: str, commit: str) -> str:
-    """A checkout of `commit` (a detached git worktree under `out`, made once) to run the baseline from."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
-                         text=True)
-    if sha.returncode != 0:
-        sys.exit(f"error: --baseline {commit}: not a commit of this repository (git log --oneline lists them)")
-    path = os.path.join(os.path.abspath(out), f"src_{sha.stdout.strip()[:12]}")
-    if not os.path.exists(os.path.join(path, "train.py")):
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
-        subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=ROOT, check=True,
-                       capture_output=True)
-    return path
 
 
 parse_vary = partial(common_parse_vary, reserved=("now", "baseline"))  # `--vary` of the seeds mode

@@ -15,6 +15,7 @@ layout the forward passes down to it as `segment_spans=`. Without that argument 
 and any other caller of the model are unchanged. Short rows keep the dense mask (`Spans.worth_it`): there the
 square is small and one kernel call beats K + 1.
 """
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +44,7 @@ class Spans:
         in order, as trainer.batch.pack lays them out)."""
         rows = []
         for ids in segments.cpu().tolist():
-            counts: dict[int, int] = {}
-            for s in ids:
-                counts[s] = counts.get(s, 0) + 1
+            counts = Counter(ids)
             prompt, start, spans = counts.get(0, 0), counts.get(0, 0), []
             for i in sorted(s for s in counts if s > 0):
                 spans.append((start, start + counts[i]))
