@@ -292,3 +292,22 @@ def test_an_engine_that_cannot_stop_on_text_is_cut_after_the_stop_string():
     cut = cut_at_stop_string(done, ("</calc>",), vocabulary)
     assert cut.token_ids == [1, 2, 3, 4, 5] and cut.finish_reason == "stop" and len(cut.logprobs) == 5
     assert cut_at_stop_string(done, ("</python>",), vocabulary) == done
+
+
+def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_tokens(model, monkeypatch):
+    prompts = random_prompts([4, 9, 4, 7])
+    batches = [[Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts[:2])],
+               [Request(i + 2, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts[2:])]]
+    kept = BuiltinEngine(model, max_batch=2, max_len=32)
+    assert not kept.release_when_idle  # a small cache stays
+    expected = [[c.token_ids for c in kept.generate(batch)] for batch in batches]
+    assert kept.k_cache is not None
+
+    monkeypatch.setattr(BuiltinEngine, "IDLE_RELEASE_BYTES", 1)
+    engine = BuiltinEngine(model, max_batch=2, max_len=32)
+    parked = engine.generate([Request(9, prompts[0], SamplingParams(max_new_tokens=2), park=True)])
+    assert parked and engine.k_cache is not None  # a parked sequence keeps its cache
+    engine = BuiltinEngine(model, max_batch=2, max_len=32)
+    for batch, tokens in zip(batches, expected):
+        assert [c.token_ids for c in engine.generate(batch)] == tokens
+        assert engine.k_cache is None and engine.v_cache is None

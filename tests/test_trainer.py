@@ -197,3 +197,87 @@ def test_learner_mfu_is_model_flops_over_the_peak_of_the_step_s_threads():
     threads = torch.get_num_threads()
     peak = learner_peak(torch.device("cpu"), "none")
     assert 1e8 < peak < 1e13 and torch.get_num_threads() == threads  # one thread's fp32 rate, the count restored
+
+
+def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass(tiny_model_dir, monkeypatch):
+    import algos
+    import trainer.learner
+    from launch.schema import RolloutConfig, TrainConfig
+
+    calls = []
+    monkeypatch.setattr(trainer.learner, "release_free_heap", lambda: calls.append(1))
+    train = TrainConfig(batch_groups=2, micro_tokens=1, autocast="none")  # one group per pass: two passes
+    learner = trainer.learner.Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
+                                      rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    batch = pack(_groups())
+    learner.step(batch, 1)
+    assert calls == []  # short passes keep their pages
+    monkeypatch.setattr(trainer.learner, "HEAP_RELEASE_TOKENS", 1)
+    learner.step(batch, 2)
+    assert len(calls) == 2
+
+
+RELEASE = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+from trainer.learner import release_free_heap
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+# 100 KB chunks (under glibc's mmap threshold, so in the heap); every other one freed, between live ones: what a
+# pass leaves, freed activations between live tensors, which free() alone cannot give back
+chunks = [libc.malloc(100 << 10) for _ in range(4000)]
+for p in chunks:
+    libc.memset(p, 1, 100 << 10)
+for p in chunks[::2]:
+    libc.free(p)
+held = rss_mb()
+release_free_heap()
+print(held, rss_mb())
+"""
+
+
+def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os():
+    import os
+    import subprocess
+    import sys
+
+    import trainer.learner
+
+    if trainer.learner._MALLOC_TRIM is None:
+        pytest.skip("not glibc: no malloc_trim")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", RELEASE.format(root=root)], capture_output=True, text=True,
+                         check=True).stdout
+    held, after = map(int, out.split())
+    assert held - after > 120, (held, after)  # of the 195 MB freed
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypatch, dtype, bias):
+    """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the same."""
+    from trainer.policy import _HeadLogprob, head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 16, generator=g))
+    hidden, targets = torch.randn(50, 16, generator=g), torch.randint(0, 300, (50,), generator=g)
+    weights = torch.rand(50, generator=g)
+    monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows
+    grads = []
+    for whole in (1 << 30, 0):
+        monkeypatch.setattr(_HeadLogprob, "WHOLE_GRAD_BYTES", whole)
+        h = hidden.clone().requires_grad_()
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out, _ = head_logprobs(h, head, targets, 0.7)
+        (out * weights).sum().backward()
+        grads.append([h.grad, head.weight.grad] + ([head.bias.grad] if bias else []))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for whole, chunked in zip(*grads):
+        assert whole.abs().sum() > 0
+        torch.testing.assert_close(chunked, whole, **tol)

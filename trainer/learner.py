@@ -1,4 +1,5 @@
 """One trainer rank's model, optimizer and loss: `Learner.step(batch)` is one optimizer step."""
+import ctypes
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +19,30 @@ if TYPE_CHECKING:
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library is not glibc (macOS, musl)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+# Passes of at least this many padded tokens hand the heap's free pages back first. A default-task pass (about 750
+# tokens) frees little, and faulting its pages in again would slow its short step (docs/benchmarks.md, "Memory").
+HEAP_RELEASE_TOKENS = 1024
+
+
+def release_free_heap() -> None:
+    """Hand the pages of the C heap's free chunks back to the OS. A pass over long rows frees gigabytes of
+    activations in chunks of a few MB that glibc keeps in its heap between live tensors, where the next pass's
+    differently sized ones do not all fit: without this the resident set grows by about 1 GB over a few passes of
+    GSM8K's shape (docs/benchmarks.md, "Memory"). Costs one walk of the free lists and the next pass's first touch
+    of those pages."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True)
@@ -61,6 +86,7 @@ class Learner:
         self.skipped = 0
         self.bad_in_row = 0
         self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
+        self.host_heap = self.device.type == "cpu"  # activations live in the C heap (a GPU's in its own allocator)
 
     def _allocate_optimizer_state(self) -> None:
         """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5 of its
@@ -139,6 +165,11 @@ class Learner:
         return micro_batches(row_lens, self.rank.world_size, self.train.micro_groups,
                              self.train.micro_tokens)[self.rank.rank]
 
+    def _before_pass(self, mb: Batch) -> None:
+        self.beat()
+        if self.host_heap and mb.input_ids.numel() >= HEAP_RELEASE_TOKENS:
+            release_free_heap()
+
     def _inputs(self, mb: Batch, entropy: bool):
         return mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature, entropy
 
@@ -152,8 +183,8 @@ class Learner:
         for batch, passes in zip(minibatches, plans):
             prox.append([])
             for start, stop in passes:
-                self.beat()
                 mb = batch.groups(start, stop).to(self.device)
+                self._before_pass(mb)
                 with self._autocast():
                     logprobs, entropy = self.policy(*self._inputs(mb, entropy=True))
                 stats.add(logprobs, mb.behav_logprobs, mb.mask, mb.versions, entropy)
@@ -164,8 +195,8 @@ class Learner:
         world_size = self.rank.world_size
         total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
         for i, (start, stop) in enumerate(passes):
-            self.beat()
             mb = batch.groups(start, stop).to(self.device)
+            self._before_pass(mb)
             with self._autocast():
                 out = self.policy(*self._inputs(mb, entropy=stats is not None))
                 logprobs, entropy = out if stats is not None else (out, None)

@@ -67,9 +67,13 @@ class _HeadLogprob(torch.autograd.Function):
     1 GB on a GPU), and the backward recomputes each chunk's logits (one more lm_head matmul) instead of
     saving them. Plain autograd would write the logits, a float32 copy, a dense gradient and log_softmax's
     backward over it: on a 1-thread CPU those passes cost more than the matmuls, and on a GPU with a 150k
-    vocabulary they would take tens of GB for one micro-batch of long completions.
+    vocabulary they would take tens of GB for one micro-batch of long completions. The backward holds the
+    logits' gradient [N, V] in the compute dtype only while it is at most WHOLE_GRAD_BYTES (two matmuls over all
+    rows); past that, as for GSM8K's 8 x 512-token groups (400 MB), it goes chunk by chunk, the weight's
+    gradient summed in float32.
     """
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
+    WHOLE_GRAD_BYTES = 256 << 20
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy):
@@ -95,18 +99,33 @@ class _HeadLogprob(torch.autograd.Function):
     def backward(ctx, grad, _entropy_grad):
         h, weight, bias, targets, lse = ctx.saved_tensors
         temp = ctx.temperature
+        scale = grad / temp
+
+        def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            g = _logits(h[rows], w, b, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
+            return g.scatter_add_(-1, targets[rows, None], scale[rows, None])
+
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
             b = None if bias is None else bias.to(h.dtype)
-            grad_logits = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
-            scale = grad / temp
-            for rows in _chunks(len(h), w.shape[0], ctx.chunk):
-                # d logprob / d logits = (onehot(target) - softmax) / temperature
-                g = _logits(h[rows], w, b, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
-                grad_logits[rows] = g.scatter_add_(-1, targets[rows, None], scale[rows, None])
-            grad_h = grad_logits @ w
-            grad_w = grad_logits.T @ h
-            grad_b = None if bias is None else grad_logits.float().sum(0).to(bias.dtype)
+            chunks = _chunks(len(h), w.shape[0], ctx.chunk)
+            if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
+                whole = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
+                for rows in chunks:
+                    whole[rows] = grad_logits(rows, w, b)
+                grad_h, grad_w = whole @ w, whole.T @ h
+                grad_b = None if bias is None else whole.float().sum(0)
+            else:
+                grad_h = torch.empty_like(h)
+                grad_w = torch.zeros(w.shape, device=h.device)
+                grad_b = None if bias is None else torch.zeros(w.shape[0], device=h.device)
+                for rows in chunks:
+                    g = grad_logits(rows, w, b).to(h.dtype)
+                    grad_h[rows] = g @ w
+                    grad_w += g.T @ h[rows]
+                    if bias is not None:
+                        grad_b += g.float().sum(0)
+        grad_b = None if bias is None else grad_b.to(bias.dtype)
         return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None
 
 
