@@ -281,3 +281,23 @@ def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypat
     for whole, chunked in zip(*grads):
         assert whole.abs().sum() > 0
         torch.testing.assert_close(chunked, whole, **tol)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_frozen_reference_held_in_bf16_gives_the_same_logprobs_under_autocast(tiny_model_dir, tied):
+    from trainer.policy import hold_frozen_in
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied
+    reference = TokenLogprobs(model).eval().requires_grad_(False)
+    batch = pack(_groups())
+    inputs = (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = reference(*inputs)
+        hold_frozen_in(reference, torch.bfloat16)
+        after = reference(*inputs)
+    assert torch.equal(before, after)
+    linears = [m for m in reference.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears if m is not model.lm_head)
+    assert model.lm_head.weight.dtype == (torch.float32 if tied else torch.bfloat16)
+    assert model.get_input_embeddings().weight.dtype == torch.float32

@@ -168,6 +168,21 @@ def compile_stack(policy: nn.Module) -> None:
     policy.lm.base_model.compile(dynamic=True)
 
 
+def hold_frozen_in(reference: TokenLogprobs, dtype: torch.dtype) -> None:
+    """A frozen reference that runs under autocast to `dtype`, held as that autocast computes with it: its linear
+    weights in `dtype` (each matmul casts them to it anyway, so its logprobs are the same), its other tensors copied
+    out of the checkpoint file, whose mapping then goes. Loaded, the weights are pages of the mapped file, resident
+    once a forward has read them: SmolLM2-135M's 513 MB of file pages become 310 MB of memory. An output head tied
+    to the input embeddings stays float32: the embeddings start the float32 residual stream."""
+    tied = reference.lm.get_input_embeddings().weight
+    for module in reference.modules():
+        if isinstance(module, nn.Linear) and module.weight is not tied:
+            module.to(dtype)
+    for tensor in [*reference.parameters(), *reference.buffers()]:
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.clone()
+
+
 def checkpoint_layers(policy: TokenLogprobs) -> None:
     """Activation checkpointing, in place: each decoder layer keeps only its input for the backward pass, which
     recomputes the rest. A long-completion batch (GSM8K's 512 tokens, 8 to a group) otherwise holds every layer's
