@@ -88,7 +88,6 @@ class Learner:
         self.skipped = 0
         self.bad_in_row = 0
         self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
-        self.host_heap = self.device.type == "cpu"  # activations live in the C heap (a GPU's in its own allocator)
 
     def _allocate_optimizer_state(self) -> None:
         """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5 of its
@@ -169,7 +168,8 @@ class Learner:
 
     def _before_pass(self, mb: Batch) -> None:
         self.beat()
-        if self.host_heap and mb.input_ids.numel() >= HEAP_RELEASE_TOKENS:
+        # On the CPU activations live in the C heap (on a GPU, in the device's own allocator)
+        if self.device.type == "cpu" and mb.input_ids.numel() >= HEAP_RELEASE_TOKENS:
             release_free_heap()
 
     def _inputs(self, mb: Batch, entropy: bool):
