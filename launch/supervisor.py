@@ -17,6 +17,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import sys
 import time
@@ -59,6 +60,24 @@ def fast_exit(code: int) -> None:
     os._exit(code)
 
 
+def remove_cuda_ipc_files(pid: int) -> list[str]:
+    """Remove what a process that shared CUDA memory with another leaves in /dev/shm when it has ended: the CUDA
+    driver's `cuda.shm.<n>.<pid in hex>.<n>` (left even by a clean exit; seen with CUDA 13 on an H200) and
+    torch's reference counter `torch_<pid>_<n>_<n>` (left by an exit without the interpreter's teardown, as
+    `fast_exit` and a kill make). Only for a process that has ended; the names removed."""
+    pattern = re.compile(rf"cuda\.shm\.\d+\.{pid:x}\.\d+|torch_{pid}_\d+_\d+")
+    try:
+        names = [n for n in os.listdir("/dev/shm") if pattern.fullmatch(n)]
+    except OSError:  # no /dev/shm: nothing was left there
+        return []
+    for name in names:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
+    return names
+
+
 def _die_with_parent(name: str):
     """Linux: the kernel kills this process if the launcher dies, even by SIGKILL (no orphans). Also names it:
     `ps aux`, `top -c` and `pkill -f ringrl:rollout-0` see "ringrl:rollout-0"; `top` and `ps -o comm` (15
@@ -91,6 +110,7 @@ class Supervisor:
         self.stack_pipes: dict[str, object] = {}  # our end of each process's faulthandler pipe
         self.why: dict[str, str] = {}  # processes we killed for being stuck: the one line that says so
         self.essential: set[str] = set()  # processes whose clean exit means the run is done
+        self.pids: list[int] = []  # every process started, restarts too: their CUDA IPC files go at shutdown
         # Largest total memory of the launcher and all its processes. Reading it walks every process's page
         # tables (about 0.2 s for a SmolLM2 run's tree, 2 cores): sampled at most every second and so that it
         # takes no more than 1/20 of the launcher's time.
@@ -113,6 +133,7 @@ class Supervisor:
         proc.start()
         theirs.close()
         self.procs[name], self.stack_pipes[name] = proc, ours
+        self.pids.append(proc.pid)
         if essential:
             self.essential.add(name)
 
@@ -235,6 +256,8 @@ class Supervisor:
                 proc.join(timeout=3.0)
         self.errors.close()
         self.errors.join_thread()
+        for pid in self.pids:  # every one has ended by now
+            remove_cuda_ipc_files(pid)
         for pipe in self.stack_pipes.values():
             pipe.close()
         if late:

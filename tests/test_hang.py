@@ -164,6 +164,41 @@ def test_the_shutdown_names_what_it_had_to_kill():
     assert sup.procs["rollout-0"].exitcode == -signal.SIGKILL
 
 
+def test_the_shutdown_removes_the_cuda_ipc_files_its_processes_leave(tmp_path):
+    """A process that shared CUDA memory leaves the driver's cuda.shm.<n>.<pid in hex>.<n> even after a clean exit,
+    and torch's torch_<pid>_<n>_<n> after an exit without teardown (both seen on an H200, scripts/gpu_check.py):
+    the shutdown removes those of the processes it started, killed ones too, and nobody else's."""
+    sup = Supervisor()
+    other = f"cuda.shm.0.{os.getpid():x}.1"  # this process is alive: its file is not the shutdown's to remove
+    open(f"/dev/shm/{other}", "w").close()
+    try:
+        sup.start("trainer-0", _leave_cuda_ipc_files, {}, 1, essential=True)
+        assert sup.watch() is None
+        sup.start("rollout-0", _leave_cuda_ipc_files_and_hang, {}, 1)
+        while len([n for n in shm_files() if f".{sup.procs['rollout-0'].pid:x}." in n]) < 1:
+            assert sup.procs["rollout-0"].exitcode is None
+            time.sleep(0.01)
+        left = {n for n in shm_files() for p in sup.pids if f".{p:x}." in n or n.startswith(f"torch_{p}_")}
+        assert len(left) == 3
+    finally:
+        sup.shutdown(grace=0.5)
+        kept = other in shm_files()
+        os.unlink(f"/dev/shm/{other}")
+    assert sup.procs["rollout-0"].exitcode == -signal.SIGTERM
+    assert not left & shm_files() and kept
+
+
+def _leave_cuda_ipc_files():
+    for name in (f"cuda.shm.0.{os.getpid():x}.1", f"torch_{os.getpid()}_1751493123_0"):
+        open(f"/dev/shm/{name}", "w").close()
+
+
+def _leave_cuda_ipc_files_and_hang():
+    open(f"/dev/shm/cuda.shm.0.{os.getpid():x}.1", "w").close()
+    while True:
+        time.sleep(1)
+
+
 def test_a_kill_nobody_asked_for_is_reported_as_probably_out_of_memory():
     sup = Supervisor()
     sup.peak_mb = 5915.0
