@@ -1,14 +1,14 @@
 """One trainer rank's learner step on the GPU plan (FSDP2, bf16 compute, packed variable-length sequences), as MFU.
 
     python -m bench.gpu_train --tokenizer DIR [--model qwen2.5-0.5b] [--device cuda] [--groups 8]
-        [--prompt-len 128] [--completion-len 256] [--micro-tokens 4096] [--no-checkpointing] [--steps 3]
+        [--prompt-len 128] [--completion-len 256] [--micro-tokens -1] [--no-checkpointing] [--steps 3]
         [--out bench_out/models] [--json FILE]
 
 The learner is the GPU plan's: `GPUPlacement` on one rank (NCCL on cuda; gloo and the same FSDP2 wrapping on the
 CPU), GRPO, AdamW, with activation checkpointing as `cluster=gpu1` sets it. A batch is `--groups` groups of K=8
 completions, all of `--completion-len` tokens, after a random prompt of `--prompt-len` tokens, trained in passes
-of at most `--micro-tokens` (train.micro_tokens, its default) as a run does. One warm-up step, then `--steps`
-timed steps.
+of at most `--micro-tokens` (train.micro_tokens, its default: -1, 65536 on a GPU) as a run does. One warm-up
+step, then `--steps` timed steps.
 
 Two figures, both against the peak of a bf16 matmul measured in the same run on the same device:
 - MFU, the useful work: 6 x parameters x trained tokens (each prompt once per group, plus every completion
@@ -33,7 +33,7 @@ from bench.shapes import add_model_arguments, random_model
 from buffer.ring import Group
 from launch.plan import free_port
 from launch.schema import RolloutConfig, TrainConfig
-from trainer.batch import pack
+from trainer.batch import pack, pass_tokens
 from trainer.gpu_policy import GPUPlacement, attn_implementation
 from trainer.learner import Learner, Rank
 
@@ -118,7 +118,7 @@ def main():
               f"bf16 compute, activation checkpointing {'on' if checkpointing else 'off'}), attention {attention}, "
               f"grpo: {args.groups} groups x {K} x ({args.prompt_len} prompt + {args.completion_len} completion), "
               f"{tokens} trained tokens/step in {len(passes)} passes of {passes} groups (micro_tokens "
-              f"{args.micro_tokens})")
+              f"{pass_tokens(args.micro_tokens, device.type)})")
         learner.step(data, 1)  # warm-up: allocator, kernels, AdamW's state
         synchronize(device)
         if device.type == "cuda":
@@ -139,7 +139,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"benchmark": "gpu_train", "model": args.model, "device": str(device), "groups": args.groups,
                        "group_size": K, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-                       "micro_tokens": args.micro_tokens, "passes": passes, "checkpointing": checkpointing,
+                       "micro_tokens": pass_tokens(args.micro_tokens, device.type), "passes": passes,
+                       "checkpointing": checkpointing,
                        "attention": attention, "steps": args.steps, "parameters": params, "tokens_per_step": tokens,
                        "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "useful_flops": useful,
                        "computed_flops": computed, "peak_flops": peak, "mfu": mfu, "hfu": hfu,

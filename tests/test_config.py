@@ -134,7 +134,7 @@ RANGES = {  # values of the right type but out of range: refused by the schema's
     "algo=tb rollout.group_size=1": "config key 'rollout.group_size' must be >= 2",
     "algo=online_dpo rollout.group_size=1": "config key 'rollout.group_size' must be >= 2",
     "train.batch_groups=0": "config key 'train.batch_groups' must be >= 1",
-    "train.micro_tokens=-1": "config key 'train.micro_tokens' must be >= 0",
+    "train.micro_tokens=-2": "config key 'train.micro_tokens' must be >= 0 (or -1: by device)",
     "rollout.max_new_tokens=0": "config key 'rollout.max_new_tokens' must be >= 1",
     "rollout.temperature=0": "config key 'rollout.temperature' must be > 0",
     "rollout.top_p=1.5": "config key 'rollout.top_p' must be in (0, 1]",

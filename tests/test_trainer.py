@@ -91,6 +91,19 @@ def test_the_token_budget_counts_each_pass_padded_to_its_longest_row():
     assert micro_batches([1500] * 8, 1, 8, 0) == [[(0, 8)]]  # 0: no budget
 
 
+def test_the_default_budget_is_settled_by_device():
+    """train.micro_tokens=-1 (the schema's default): 4096 on the CPU, 65536 on a GPU; a set value stays."""
+    from launch.schema import TrainConfig
+    from trainer.batch import pass_tokens
+
+    assert TrainConfig().micro_tokens == -1
+    assert (pass_tokens(-1, "cpu"), pass_tokens(-1, "cuda")) == (4096, 65536)
+    assert (pass_tokens(0, "cuda"), pass_tokens(8192, "cpu")) == (0, 8192)
+    rows = [1500] * 8  # 8 x 1500 padded tokens: four passes on the CPU, one on a GPU
+    assert micro_batches(rows, 1, 8, pass_tokens(-1, "cpu")) == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
+    assert micro_batches(rows, 1, 8, pass_tokens(-1, "cuda")) == [[(0, 8)]]
+
+
 def test_every_rank_makes_the_same_number_of_passes():
     # rank 0 needs two passes for its long rows; rank 1 splits its short ones to match (FSDP2 gathers per pass)
     assert micro_batches([2000] * 4 + [100] * 4, 2, 8, 4096) == [[(0, 2), (2, 4)], [(4, 6), (6, 8)]]
@@ -215,6 +228,20 @@ def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass(tiny_mod
     monkeypatch.setattr(trainer.learner, "HEAP_RELEASE_TOKENS", 1)
     learner.step(batch, 2)
     assert len(calls) == 2
+
+
+def test_the_learner_settles_the_default_pass_budget_for_its_device(tiny_model_dir, monkeypatch):
+    import algos
+    import trainer.batch
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    learner = Learner(model_path=tiny_model_dir, train=TrainConfig(batch_groups=2, autocast="none"),
+                      algo=algos.get("grpo").Config(), rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    batch = pack(_groups())
+    assert learner._passes(batch) == [(0, 2)]
+    monkeypatch.setattr(trainer.batch, "PASS_TOKENS", {"cpu": 1, "cuda": 65536})  # a CPU budget of one token
+    assert learner._passes(batch) == [(0, 1), (1, 2)]
 
 
 RELEASE = """

@@ -96,6 +96,14 @@ def pack(groups: list) -> Batch:
                  rewards, torch.tensor([n for row in lens for n in row]), k)
 
 
+PASS_TOKENS = {"cpu": 4096, "cuda": 65536}  # train.micro_tokens=-1, by device type (launch/schema.py)
+
+
+def pass_tokens(micro_tokens: int, device_type: str) -> int:
+    """train.micro_tokens with -1 settled for the device the passes run on."""
+    return micro_tokens if micro_tokens >= 0 else PASS_TOKENS.get(device_type, PASS_TOKENS["cpu"])
+
+
 def micro_batches(row_lens: list[int], ranks: int, max_groups: int, max_tokens: int) -> list[list[tuple[int, int]]]:
     """Each rank's forward/backward passes over its share of the groups, as [start, stop) group ranges.
 

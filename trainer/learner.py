@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import algos
-from trainer.batch import PAD, Batch, micro_batches
+from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
 from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
 from trainer.policy import CPUPlacement, Placement, full_state, hold_frozen_in
@@ -164,7 +164,7 @@ class Learner:
         """This rank's forward/backward passes over `batch`, as group ranges."""
         row_lens = (batch.segments != PAD).sum(1).tolist()
         return micro_batches(row_lens, self.rank.world_size, self.train.micro_groups,
-                             self.train.micro_tokens)[self.rank.rank]
+                             pass_tokens(self.train.micro_tokens, self.device.type))[self.rank.rank]
 
     def _before_pass(self, mb: Batch) -> None:
         self.beat()
