@@ -57,6 +57,8 @@ def main(raw) -> None:
     from launch.plan import compute_device, device_plan, quiet_libraries
 
     plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count(), cfg.cluster.device)
+    if cfg.cluster.ray.enabled:  # this machine is the trainer node: its own plan is the node's entry
+        cfg = _or_exit(_trainer_node, cfg, plan_name)
     cfg = _precision(cfg, compute_device(plan_name, cfg.cluster.device))
     quiet_libraries()
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
@@ -108,6 +110,12 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     stop_ids = facts.stop_ids(model_path)
     eval_spec = _eval_spec(cfg, stop_ids)
     rollout, workers = cfg.rollout, plan.rollout_workers
+    nodes = None
+    if cfg.cluster.ray.enabled:  # generator nodes' workers take the ids (and ring lanes) after this node's
+        from launch.ray_nodes import RayNodes
+
+        nodes = RayNodes(cfg.cluster.ray, first_worker=workers)
+    lanes = nodes.workers if nodes else workers  # every rollout worker, on any node
     cores = cores_for(cfg.cluster, plan, cfg.max_staleness)
     pin_threads(max(cores.most("worker"), cores.most("trainer")))  # each OpenMP pool is sized for its most
 
@@ -118,11 +126,11 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     sup = Supervisor(os.path.join(run_dir, "stacks"), hearts,
                      Allowance(c.hang_timeout_s, c.slow_timeout_s, c.start_timeout_s))
     shared = Shared(
-        ring=TrajectoryRing(workers * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
-                            max_prompt_len, rollout.max_new_tokens, num_producers=workers),
+        ring=TrajectoryRing(lanes * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
+                            max_prompt_len, rollout.max_new_tokens, num_producers=lanes),
         gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0),
         weights=plan.weights(facts.meta_model(model_path), rollout.dtype),
-        counters=WorkerCounters(workers),
+        counters=WorkerCounters(lanes),
         stop=sup.stop,
         finish=sup.finished,
         cores=cores,
@@ -167,21 +175,46 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     try:
         for w in range(workers):
             start_worker(w, resume["next_group"].get(w, 0) if resume else 0)
+        if nodes is not None:
+            from launch.agent import NodeRun
+
+            engine = plan.engine(0, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
+            nodes.start(NodeRun(lanes, cfg, setup, plan, engine, evaluator, lane_slots(cfg.max_staleness,
+                                cfg.train.batch_groups), max_prompt_len, os.path.join(run_dir, "stacks")),
+                        shared, slots, resume["next_group"] if resume else {})
         plan.wait_for_engines(shared.weights, sup)
         for r in range(plan.trainer_ranks):
-            args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), workers, cfg, setup, evaluator,
+            args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), lanes, cfg, setup, evaluator,
                                shared, progress=cfg.progress and r == 0)
             sup.start(f"trainer-{r}", run_learner, dict(args=args), cores.trainer_threads(alone=False), essential=True)
         error = sup.watch(on_failure=restart_worker)
+        if nodes is not None and nodes.error:  # the trainer stopped because nothing was left to generate
+            error = nodes.error
     except KeyboardInterrupt:
         error = "interrupted"
+    except (TimeoutError, ValueError) as e:  # cluster=ray: a node or Ray itself that did not come up
+        error = str(e)
     finally:
         late = sup.shutdown()
         if late:
             print(f"warning: {late}", file=sys.stderr)
-        write_summary(run_dir, start, error, sup.peak_mb, _launcher_counts(shared.counters), sup.peak_parts)
+        if nodes is not None:
+            nodes.close()
+        counts = {**_launcher_counts(shared.counters), **(nodes.metrics() if nodes else {})}
+        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts)
         draw_curves(run_dir)
     return error
+
+
+def _trainer_node(cfg, plan: str):
+    """cluster=ray: the config with cluster.rollout_workers and trainer_ranks those of the trainer node's entry."""
+    import dataclasses
+
+    if plan != "cpu":
+        raise ValueError("cluster=ray runs the CPU plan on every node so far (cluster.plan=cpu)")
+    node = cfg.cluster.ray.trainer_node
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, rollout_workers=node.rollout_workers, trainer_ranks=node.trainer_ranks))
 
 
 def _launcher_counts(counters) -> dict:

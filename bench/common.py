@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from launch.summary import completed
 from trainer.peak import matmul_peak_flops  # noqa: F401  (moved there: the run's metrics use it too)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,3 +97,16 @@ def baseline_tree(out: str, commit: str) -> str:
         subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=_REPO, check=True,
                        capture_output=True)
     return path
+
+
+def train_run(folder: str, args: list[str], steps: int, root: str = _REPO) -> None:
+    """`python train.py <args> steps=<steps>` into `folder`, from the source tree `root` (a baseline's worktree, or
+    this one), unless a run there already completed them (a benchmark stopped part way reruns only the rest). A
+    failed run ends the benchmark with its error."""
+    if completed(folder, steps):
+        return
+    cmd = [sys.executable, os.path.join(root, "train.py"), *args, f"steps={steps}", f"hydra.run.dir={folder}"]
+    print(" ".join(cmd[1:]), flush=True)
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(args)} failed:\n{result.stderr[-2000:]}")

@@ -22,14 +22,11 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 from functools import partial
 
-from bench.common import baseline_tree
+from bench.common import baseline_tree, train_run
 from bench.common import parse_vary as common_parse_vary
 from buffer.staleness import engine_slots
-from launch.summary import completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = "5ca73ac"  # the commit before issue 32
@@ -58,14 +55,7 @@ def write_gsm8k_like(path: str, count: int = 400, seed: int = 0) -> None:
 
 def run(folder: str, overrides: list[str], data: str, steps: int, root: str = ROOT) -> None:
     """One setting's run, from the source tree `root` (a baseline's worktree, or this one)."""
-    if completed(folder, steps):
-        return
-    cmd = [sys.executable, os.path.join(root, "train.py"), *COMMON, f"task.path={data}", f"steps={steps}",
-           *overrides, f"hydra.run.dir={folder}"]
-    print(" ".join(cmd[1:]), flush=True)
-    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"error: {' '.join(overrides) or 'now'} failed:\n{result.stderr[-2000:]}")
+    train_run(folder, [*COMMON, f"task.path={data}", *overrides], steps, root)
 
 
 def read(folder: str) -> dict:

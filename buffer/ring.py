@@ -195,6 +195,10 @@ class TrajectoryRing:
         self._free[slot // self.lane_slots].release()
         return group
 
+    def free_slots(self, worker_id: int) -> int:
+        """Free slots in producer `worker_id`'s lane: how many groups it can put without blocking."""
+        return int((self._state_np[self._lane(worker_id)] == FREE).sum())
+
     def reclaim(self, worker_id: int) -> int:
         """After producer `worker_id` died (call only once its process is gone, before a replacement starts):
         free the slots it was writing, keep the groups it published. Returns how many partial groups were dropped."""

@@ -115,3 +115,44 @@ class StalenessGate:
             return False
         self._lock.release()  # held for a whole second by a section that takes microseconds: its holder is dead
         return True
+
+
+GRANTED = 1
+
+
+class LeaseGate(StalenessGate):
+    """A generator node's gate (cluster=ray, launch/ray_nodes.py): its rollout workers start groups out of starts
+    leased from the trainer node's StalenessGate, so the bound stays exact across nodes. The node's agent adds
+    what the trainer node granted (`grant`); a start uses one; `cancel` (a dead worker's unfinished groups)
+    gives starts back to the lease, to be used again. The trainer node counts a lease as started groups: those
+    never delivered go back to its gate when the node is lost."""
+
+    def __init__(self, ctx=None):
+        ctx = ctx or mp.get_context("spawn")
+        self._counts = torch.zeros(2, dtype=torch.int64).share_memory_()  # [STARTED, GRANTED]
+        self._lock = ctx.Lock()
+
+    @property
+    def version(self) -> int:
+        raise AttributeError("a generator node's gate has no version: its lease is in starts, not versions")
+
+    @property
+    def granted(self) -> int:
+        return int(self._counts[GRANTED])
+
+    @property
+    def unused(self) -> int:
+        """Leased starts not used yet."""
+        started, granted = self._counts.tolist()
+        return granted - started
+
+    def _has_budget(self) -> bool:
+        started, granted = self._counts.tolist()
+        return started < granted
+
+    def grant(self, n: int) -> None:
+        with self._lock:
+            self._counts[GRANTED] += n
+
+    def set_version(self, version: int) -> None:
+        raise AttributeError("only the trainer node's gate follows the version")

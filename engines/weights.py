@@ -14,6 +14,7 @@ Copies run on torch's intra-op threads: keep the threads of all processes on a b
 per-tensor copy waits a scheduler slice for a descheduled thread (measured 15-30x slower on 2 busy cores).
 """
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
@@ -97,11 +98,29 @@ class WeightStore:
             if tensor.shape != self._layout[name][2]:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the store expects {tuple(self._layout[name][2])}")
+        with self.writing(version):
+            for name, tensor in items:
+                self._view(name).copy_(tensor.detach())
+
+    @contextmanager
+    def writing(self, version: int):
+        """Write the buffers (`buffers()`) in the body; readers see `version` once it ends. Single writer only."""
         self._header[SEQ] += 1  # odd: a publish is in progress
-        for name, tensor in items:
-            self._view(name).copy_(tensor.detach())
+        yield
         self._header[VERSION] = version
         self._header[SEQ] += 1  # even again: the snapshot is complete
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The shared buffers, one per dtype, in an order every store built from the same model shares: what a
+        generator node's store receives whole (cluster=ray, launch/ray_nodes.py)."""
+        return [self._buffers[dtype] for dtype in sorted(self._buffers, key=str)]
+
+    def read_buffers(self, targets: list[torch.Tensor]) -> int:
+        """Copy one consistent snapshot of `buffers()` into `targets` (tensors of their shapes); its version."""
+        def copy():
+            for target, buffer in zip(targets, self.buffers(), strict=True):
+                target.copy_(buffer)
+        return self._consistent(copy)
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> int:
         """Copy one consistent snapshot into `targets` (views and other dtypes are fine; unknown names skipped).
@@ -112,6 +131,13 @@ class WeightStore:
             if targets[name].shape != self._layout[name][2]:
                 raise ValueError(f"target {name!r} has shape {tuple(targets[name].shape)}, "
                                  f"the store holds {tuple(self._layout[name][2])}")
+        def copy():
+            for name in names:
+                targets[name].copy_(self._view(name))
+        return self._consistent(copy)
+
+    def _consistent(self, copy: Callable[[], None]) -> int:
+        """Run `copy` until it ran while no publish did; the version it copied."""
         while True:
             seq = int(self._header[SEQ])
             if seq % 2:  # a publish is in progress: wait for it rather than copy data that will be thrown away
@@ -119,7 +145,6 @@ class WeightStore:
                 continue
             version = int(self._header[VERSION])
             with torch.no_grad():
-                for name in names:
-                    targets[name].copy_(self._view(name))
+                copy()
             if int(self._header[SEQ]) == seq:
                 return version

@@ -51,7 +51,7 @@ class Cores:
         """The most threads a process of `side` ('trainer' or 'worker') ever uses: its OpenMP pool's size."""
         if self.fixed:
             return self.fixed
-        return max(1, self.cores // (self.ranks if side == "trainer" else self.workers))
+        return max(1, self.cores // max(1, self.ranks if side == "trainer" else self.workers))
 
     def trainer_step(self, alone: bool) -> int:
         """Trainer rank 0 at a step boundary, before the step: record whether the step has the cores to itself

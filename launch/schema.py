@@ -25,6 +25,69 @@ class ModelConfig:
 
 
 @dataclass
+class RayNode:
+    """One machine of a cluster=ray run (docs/design.md, "Past one machine")."""
+    # trainer: the node train.py runs on, with the trainer ranks, the main ring and the staleness gate (exactly
+    # one); generator: rollout workers only, whose groups are forwarded to the trainer node
+    role: str = "generator"
+    cores: int = 1  # CPU cores the node's processes get (Ray reserves them; a simulated node is given them)
+    gpus: int = 0  # GPUs of the node (the GPU plan on Ray is not built yet: 0)
+    rollout_workers: int = 1  # as cluster.rollout_workers, on this node (the trainer node may have none)
+    trainer_ranks: int = 0  # as cluster.trainer_ranks, on this node (the trainer node's only)
+
+    def check(self, where: str):
+        require(self.role in ("trainer", "generator"), f"{where}.role", "must be trainer or generator", self.role)
+        require(self.cores >= 1, f"{where}.cores", "must be >= 1", self.cores)
+        require(self.gpus == 0, f"{where}.gpus", "must be 0: generator and trainer nodes compute on the CPU so far",
+                self.gpus)
+        require(self.rollout_workers >= (self.role == "generator"), f"{where}.rollout_workers",
+                "must be >= 1 on a generator node and >= 0 on the trainer node", self.rollout_workers)
+        require((self.trainer_ranks >= 1) == (self.role == "trainer"), f"{where}.trainer_ranks",
+                "must be >= 1 on the trainer node and 0 on a generator node", self.trainer_ranks)
+
+
+def _two_nodes() -> list:
+    return [RayNode(role="trainer", cores=1, rollout_workers=0, trainer_ranks=1), RayNode(role="generator")]
+
+
+@dataclass
+class RayConfig:
+    """cluster=ray: generator nodes feeding the trainer node over Ray (conf/cluster/ray.yaml; pip install -r
+    requirements-ray.txt). Ray is imported only when this is on."""
+    enabled: bool = False  # set by cluster=ray
+    # "": start Ray here and simulate the nodes on this machine (testing); HOST:PORT (or "auto"): join the cluster
+    # that `ray start --head` began, from its head node, which is then the trainer node
+    address: str = ""
+    object_store_mb: int = 256  # each node's object store (groups cross it; weights go over gloo)
+    health_check_period_s: float = 1.0  # how often Ray checks a node; lost after 3 missed checks
+    call_timeout_s: float = 120.0  # every ray.get and every collective's set-up: a node that does not answer is lost
+    forward_groups: int = 8  # groups one forwarding call brings from a generator node, at most
+    nodes: list[RayNode] = field(default_factory=_two_nodes)
+
+    def check(self):
+        if not self.enabled:
+            return
+        for i, node in enumerate(self.nodes):
+            node.check(f"cluster.ray.nodes[{i}]")
+        roles = [n.role for n in self.nodes]
+        require(roles.count("trainer") == 1 and len(roles) >= 2, "cluster.ray.nodes",
+                "must hold exactly one trainer node and at least one generator node", roles)
+        require(self.object_store_mb >= 64, "cluster.ray.object_store_mb", "must be >= 64", self.object_store_mb)
+        require(self.health_check_period_s > 0, "cluster.ray.health_check_period_s", "must be > 0",
+                self.health_check_period_s)
+        require(self.call_timeout_s > 0, "cluster.ray.call_timeout_s", "must be > 0", self.call_timeout_s)
+        require(self.forward_groups >= 1, "cluster.ray.forward_groups", "must be >= 1", self.forward_groups)
+
+    @property
+    def trainer_node(self) -> RayNode:
+        return next(n for n in self.nodes if n.role == "trainer")
+
+    @property
+    def generator_nodes(self) -> list[RayNode]:
+        return [n for n in self.nodes if n.role == "generator"]
+
+
+@dataclass
 class ClusterConfig:
     plan: str = "auto"  # auto | cpu | gpu: where generation and training run (auto: gpu when torch sees CUDA)
     rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
@@ -51,8 +114,10 @@ class ClusterConfig:
     # recompute each decoder layer's activations in the backward pass, on the CPU and GPU plans: less memory, about
     # 30% more compute
     activation_checkpointing: bool = False
+    ray: RayConfig = field(default_factory=RayConfig)  # past one machine: conf/cluster/ray.yaml
 
     def check(self):
+        self.ray.check()
         require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
         require(self.rollout_workers >= 1, "cluster.rollout_workers", "must be >= 1", self.rollout_workers)
         require(self.trainer_ranks >= 1, "cluster.trainer_ranks", "must be >= 1", self.trainer_ranks)

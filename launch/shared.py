@@ -129,6 +129,13 @@ class WorkerCounters:
     def add(self, worker: int, name: str, n: int = 1) -> None:
         self._table[worker, self._column[name]] += n
 
+    def rows(self, workers: list[int]) -> torch.Tensor:
+        """Those workers' counts (a copy): a generator node's, sent to the trainer node (cluster=ray)."""
+        return self._table[workers].clone()
+
+    def set_rows(self, workers: list[int], rows: torch.Tensor) -> None:
+        self._table[workers] = rows
+
     def total(self, name: str) -> int:
         """Summed over the workers."""
         return int(self._table[:, self._column[name]].sum())

@@ -116,7 +116,7 @@ TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
     (["task=gsm8k", "task.pathh=x"], "unknown config key 'task.pathh' for task=gsm8k"),
     (["train.lr=fast"], "config key 'train.lr' must be of type float (got 'fast')"),
     (["-m", "max_staleness=0,1,two"], "config key 'max_staleness' must be of type int (got 'two')"),
-    (["cluster=gpu9"], "unknown cluster 'gpu9' (choose one of: auto, cpu, cpu2, gpu1, gpu8)"),
+    (["cluster=gpu9"], "unknown cluster 'gpu9' (choose one of: auto, cpu, cpu2, gpu1, gpu8, ray)"),
     (["hydra.sweep.subdir=a=${seed}"], "quote a value holding '=' or ','"),
 ]
 

@@ -1,0 +1,356 @@
+"""The trainer node's side of cluster=ray: Ray between machines, today's plan inside each (docs/design.md).
+
+    nodes = RayNodes(cfg.cluster.ray, first_worker=plan.rollout_workers)
+    nodes.start(NodeRun(...), shared, engine_slots, first_groups)
+    ...                                       # the trainer node's own workers and trainer ranks, as on one machine
+    nodes.close()                             # generator nodes stopped, Ray shut down, nothing left running
+
+train.py runs on the trainer node (a real cluster's head; with cluster.ray.address="" Ray starts here and
+simulates every node on this machine). One agent actor per generator node (launch/agent.py), each in its own
+bundle of a STRICT_SPREAD placement group, runs that node's rollout workers. A forwarding thread here, the only
+writer of those workers' lanes in the trainer node's ring, loops over the nodes:
+- it leases group starts from the trainer's StalenessGate (at most a node's engine capacity unused at a time)
+  and sends them with its call, so every group started anywhere was counted by the one gate;
+- it takes at most as many finished groups as the node's lanes here have free slots (back-pressure: a full
+  lane stops the node, whose own ring then fills and stops its workers), and copies its counters;
+- after each optimizer step it broadcasts the new weights to every generator node's store over gloo (the object
+  store would take seconds for a model's weights).
+A node that fails a call (Ray's health checks end a lost node's actor) is dropped with one warning line: its
+lease not yet delivered goes back to the gate, as `Shared.reclaim` does for a dead worker, and the run goes on
+with the other nodes. Every Ray call and collective set-up has a deadline (cluster.ray.call_timeout_s).
+"""
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from launch.agent import GeneratorAgent, NodeArgs, NodeRun
+from launch.plan import free_port
+from launch.supervisor import remove_unmapped_semaphores
+
+
+@dataclass
+class NodeCounts:
+    """What a generator node did, for summary.json (ray/node<i>_*)."""
+    delivered: int = 0  # groups put in the trainer node's ring
+    lost_groups: int = 0  # leased and never delivered, when its agent failed
+    restarts: int = 0  # new agents started for it
+    newest_version: int = -1  # the newest policy version of a token it delivered: its weights follow the trainer's
+    forward_s: list[float] = field(default_factory=list)  # each call that brought groups: seconds
+
+
+@dataclass
+class Node:
+    """A generator node, as the trainer node keeps track of it."""
+    index: int  # in cluster.ray.nodes
+    worker_ids: list[int]
+    capacity: int  # groups its engines hold at once: the most starts it may keep leased and unused
+    agent: object = None
+    node_id: str = ""  # Ray's id of the machine its agent runs on
+    leased: int = 0  # starts granted in all, less those handed back: compared with counts.delivered
+    unused: int = 0  # the lease it has not used, as of its last answer
+    lost: bool = False
+    counts: NodeCounts = field(default_factory=NodeCounts)
+
+
+class RayNodes:
+    def __init__(self, ray_cfg, first_worker: int):
+        self.cfg = ray_cfg
+        ids = iter(range(first_worker, first_worker + sum(n.rollout_workers for n in ray_cfg.generator_nodes)))
+        self.nodes = [Node(i, [next(ids) for _ in range(n.rollout_workers)], 0)
+                      for i, n in enumerate(ray_cfg.nodes) if n.role == "generator"]
+        self.workers = first_worker + sum(len(n.worker_ids) for n in self.nodes)  # every node's together
+        self.local_workers = first_worker  # the trainer node's own
+        self.error: str | None = None  # why the nodes ended the run, if they did
+        self.cluster = None  # the simulated cluster (address "")
+        self.group = None
+        self.pg = None
+        self.thread = None
+        self.done = threading.Event()
+        self.broadcast_s: list[float] = []
+        self.version = -1  # the version every generator node's store holds
+        self.regroup = False  # the weight broadcast's group must be formed again (a node lost, an agent new)
+
+    def start(self, run: NodeRun, shared, engine_slots: int, first_groups: dict[int, int]) -> None:
+        """Start (or join) Ray, place one agent per generator node and start forwarding. engine_slots: sequences
+        one worker's engine holds; first_groups: where each worker starts (a resumed run)."""
+        ray = _ray(self.cfg)
+        self.ray, self.shared, self.run = ray, shared, run
+        timeout = self.cfg.call_timeout_s
+        if not self.cfg.address:
+            self.cluster = _simulated_cluster(self.cfg)
+        ray.init(address=self.cluster.address if self.cluster else self.cfg.address, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": _root()}}, logging_level="WARNING",
+                 configure_logging=False)
+        from ray.util.placement_group import placement_group
+
+        # One bundle per node, no two on one node; the first reserves the trainer node's cores (the head's).
+        trainer = self.cfg.trainer_node
+        bundles = [{"CPU": trainer.cores, "node:__internal_head__": 0.001}] + \
+                  [{"CPU": self.cfg.nodes[n.index].cores} for n in self.nodes]
+        self.pg = placement_group(bundles, strategy="STRICT_SPREAD")
+        _get(ray, self.pg.ready(), timeout, "the placement group of cluster.ray.nodes (are the nodes up, with "
+                                            "the cores asked for?)")
+        for node in self.nodes:
+            node.capacity = len(node.worker_ids) * max(1, engine_slots // run.cfg.rollout.group_size)
+            self._place(node, tuple(first_groups.get(w, 0) for w in node.worker_ids))
+        ready = _get(ray, [n.agent.ready.remote() for n in self.nodes], timeout, "the generator nodes' agents")
+        for node, node_id in zip(self.nodes, ready):
+            node.node_id = node_id
+        self._join_weights()
+        self.thread = threading.Thread(target=self._forward, name="ray-forward", daemon=True)
+        self.thread.start()
+
+    def _place(self, node: Node, first_groups: tuple, counters=None) -> None:
+        """Start `node`'s agent in its bundle of the placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec = self.cfg.nodes[node.index]
+        args = NodeArgs(node.index, tuple(node.worker_ids), first_groups, max(1, spec.cores // spec.rollout_workers),
+                        self.run, counters)
+        bundle = 1 + self.nodes.index(node)
+        agent_class = self.ray.remote(num_cpus=0, max_restarts=0)(GeneratorAgent)
+        node.agent = agent_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=bundle)).remote(args)
+
+    def _join_weights(self) -> None:
+        """A gloo group of this process (rank 0) and every live agent, for the weight broadcast; a new one after a
+        node is lost or an agent restarted (whose next broadcast then sends the current version to all)."""
+        import torch.distributed as dist
+
+        timeout = self.cfg.call_timeout_s
+        if self.group is not None:
+            dist.destroy_process_group()
+            self.group = None
+        live = [n for n in self.nodes if not n.lost]
+        if not live:
+            return
+        address = "127.0.0.1" if self.cluster else self.ray.util.get_node_ip_address()
+        init = f"tcp://{address}:{free_port()}"
+        joins = [n.agent.join_weights.remote(init, rank, len(live) + 1, timeout) for rank, n in enumerate(live, 1)]
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=len(live) + 1,
+                                timeout=timedelta(seconds=timeout))
+        self.group = dist.group.WORLD
+        _get(self.ray, joins, timeout, "the weight broadcast's gloo group")
+        self.version = -1
+
+    def _forward(self) -> None:
+        shared = self.shared
+        while not (self.done.is_set() or shared.rollouts_over()):
+            moved = 0
+            for node in [n for n in self.nodes if not n.lost]:
+                try:
+                    moved += self._exchange(node)
+                except Exception as e:  # a lost node, a dead agent, a call past its deadline
+                    self._failed(node, e)
+            if self.regroup and not self.done.is_set():  # before any broadcast: the old group has a dead peer
+                self.regroup = False
+                try:
+                    self._join_weights()
+                except Exception as e:
+                    print(f"warning: the weight broadcast's group did not form ({_line(e)}); retrying",
+                          file=sys.stderr)
+                    self.regroup = True
+            try:
+                if not self.regroup:
+                    self._send_weights()
+            except Exception as e:  # a peer gone mid-broadcast: its next exchange fails, and the group is rebuilt
+                print(f"warning: the weight broadcast failed ({_line(e)}); retrying after the next exchange",
+                      file=sys.stderr)
+                self.regroup = True
+            if all(n.lost for n in self.nodes):
+                if not self.local_workers:  # nothing can generate any more: the run ends, in one line
+                    self.error = ("every generator node is lost and the trainer node has no rollout worker "
+                                  "(cluster.ray.nodes); resume=<this run's folder> continues from its last checkpoint")
+                    shared.stop.set()
+                    return
+                self.done.wait(0.2)
+
+    def _exchange(self, node: Node) -> int:
+        shared, ray = self.shared, self.ray
+        grant = 0
+        while node.unused + grant < node.capacity and shared.gate.try_start():
+            grant += 1
+        node.leased += grant
+        room = min(self.cfg.forward_groups, sum(shared.ring.free_slots(w) for w in node.worker_ids))
+        start = time.perf_counter()
+        answer = _get(ray, node.agent.exchange.remote(grant, room, 0.05 if room else 0.0),
+                      self.cfg.call_timeout_s, f"generator node {node.index}")
+        if answer.error:
+            raise RuntimeError(answer.error)
+        for group in answer.groups:
+            shared.ring.put(group)  # its lane had room: never blocks
+        counts = node.counts
+        if answer.groups:
+            counts.forward_s.append(time.perf_counter() - start)
+            counts.newest_version = max(counts.newest_version, *(int(g.versions.max()) for g in answer.groups))
+        counts.delivered += len(answer.groups)
+        node.unused = answer.unused
+        shared.counters.set_rows(node.worker_ids, answer.counters)
+        if not answer.groups and not room:
+            time.sleep(0.005)  # its lanes here are full: the trainer takes groups meanwhile
+        return len(answer.groups)
+
+    def _send_weights(self) -> None:
+        """After a step: the trainer node's store, one consistent snapshot, broadcast to every generator node."""
+        import torch.distributed as dist
+
+        store = self.shared.weights
+        live = [n for n in self.nodes if not n.lost]
+        if store.version <= max(self.version, 0) or not live or self.group is None:
+            return
+        if not hasattr(self, "_copies"):
+            self._copies = [torch.empty_like(b) for b in store.buffers()]
+        version = store.read_buffers(self._copies)
+        start = time.perf_counter()
+        calls = [n.agent.receive_weights.remote(version) for n in live]
+        for buffer in self._copies:
+            dist.broadcast(buffer, src=0)
+        _get(self.ray, calls, self.cfg.call_timeout_s, "the weight broadcast")
+        self.broadcast_s.append(time.perf_counter() - start)
+        self.version = version
+
+    def _failed(self, node: Node, error: Exception) -> None:
+        """`node`'s call failed. What it was leased and did not deliver goes back to the gate (its groups in flight
+        are lost). If its machine is still in the cluster, a new agent takes over where its workers stopped (up to
+        cluster.max_restarts); if not, the run goes on without the node. One warning line either way."""
+        undelivered = node.leased - node.counts.delivered
+        self.shared.gate.recover()
+        if undelivered > 0:
+            self.shared.gate.cancel(undelivered)
+        counters = self.shared.counters
+        for w in node.worker_ids:  # as Shared.reclaim: the unfinished groups counted lost, none started
+            counters.add(w, "lost_groups", max(counters.get(w, "started") - counters.get(w, "groups"), 0))
+            counters.set(w, "started", counters.get(w, "groups"))
+        node.leased, node.unused = node.counts.delivered, 0
+        node.counts.lost_groups += max(undelivered, 0)
+        try:
+            self.ray.kill(node.agent)
+        except Exception:
+            pass
+        self.regroup = True
+        if self._node_alive(node) and node.counts.restarts < self.run.cfg.cluster.max_restarts:
+            node.counts.restarts += 1
+            print(f"warning: generator node {node.index}'s agent failed ({_line(error)}); restarting it "
+                  f"({node.counts.restarts}/{self.run.cfg.cluster.max_restarts}), {max(undelivered, 0)} groups lost",
+                  file=sys.stderr)
+            try:
+                rows = counters.rows(node.worker_ids)
+                self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids), rows)
+                node.node_id = _get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
+                                    f"generator node {node.index}'s new agent")
+                return
+            except Exception as e:
+                error = e
+        node.lost = True
+        if self.cluster is not None:  # a simulated node, on this machine: what its killed processes left
+            remove_unmapped_semaphores()
+        print(f"warning: generator node {node.index} lost ({_line(error)}); {max(undelivered, 0)} groups leased "
+              "to it and not delivered handed back; going on without it", file=sys.stderr)
+
+    def _node_alive(self, node: Node) -> bool:
+        """Whether the machine `node`'s agent ran on is still in the cluster, once Ray's health checks (3 missed)
+        have had time to notice a lost one."""
+        deadline = time.monotonic() + 4 * self.cfg.health_check_period_s + 2.0
+        while True:
+            alive = any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes())
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.5)
+
+    def metrics(self) -> dict:
+        """Per node: groups delivered, lost, forwarding seconds; the weight broadcast's seconds."""
+        out = {"ray/broadcasts": len(self.broadcast_s), "ray/weights_version": self.version,
+               "ray/broadcast_s": sum(self.broadcast_s) / len(self.broadcast_s) if self.broadcast_s else 0.0}
+        for n in self.nodes:
+            counts = n.counts
+            out[f"ray/node{n.index}_groups"] = counts.delivered
+            out[f"ray/node{n.index}_lost"] = int(n.lost)
+            out[f"ray/node{n.index}_lost_groups"] = counts.lost_groups
+            out[f"ray/node{n.index}_restarts"] = counts.restarts
+            out[f"ray/node{n.index}_newest_version"] = counts.newest_version
+            out[f"ray/node{n.index}_forward_s"] = statistics.mean(counts.forward_s) if counts.forward_s else 0.0
+        return out
+
+    def close(self) -> None:
+        """Stop the forwarding, every agent and its workers, and Ray: nothing of the run is left running."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(timeout=self.cfg.call_timeout_s)
+        ray = getattr(self, "ray", None)
+        if ray is not None and ray.is_initialized():
+            stops = [n.agent.stop.remote() for n in self.nodes if n.agent is not None and not n.lost]
+            try:
+                ray.get(stops, timeout=60)
+            except Exception as e:  # an agent that does not stop is killed below
+                print(f"warning: a generator node did not stop cleanly ({str(e).splitlines()[0]})", file=sys.stderr)
+            exits = [n.agent.exit.remote() for n in self.nodes if n.agent is not None and not n.lost]
+            try:
+                ray.get(exits, timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # the actor has exited (its call ends with it) or is killed below
+            for n in self.nodes:
+                if n.agent is not None:
+                    ray.kill(n.agent)
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+            ray.shutdown()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.group = None
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+            remove_unmapped_semaphores()
+
+
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ray(ray_cfg):
+    """Import Ray (an optional extra), on loopback where the cluster is simulated: without these, ray.init picks the
+    machine's own interface and retries for minutes."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("cluster=ray needs Ray: pip install -r requirements-ray.txt") from None
+    return ray
+
+
+def _simulated_cluster(ray_cfg):
+    """Every node of cluster.ray.nodes as a Ray node on this machine: the trainer node as the head."""
+    from ray.cluster_utils import Cluster
+
+    store = ray_cfg.object_store_mb * 2**20
+    period_ms = int(ray_cfg.health_check_period_s * 1000)
+    head, *others = sorted(ray_cfg.nodes, key=lambda n: n.role != "trainer")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=head.cores, object_store_memory=store, node_ip_address="127.0.0.1", include_dashboard=False,
+        _system_config={"health_check_period_ms": period_ms, "health_check_failure_threshold": 3}))
+    for node in others:
+        cluster.add_node(num_cpus=node.cores, object_store_memory=store, node_ip_address="127.0.0.1")
+    return cluster
+
+
+def _line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+
+
+def _get(ray, refs, timeout: float, what: str):
+    """ray.get with a deadline (without one it waits forever and ignores signals); a one-line error naming `what`."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"{what} did not answer within {timeout:g} s (cluster.ray.call_timeout_s)") from None

@@ -1,0 +1,162 @@
+"""cluster=ray on a simulated two-node cluster on this machine (launch/ray_nodes.py, launch/agent.py): a trainer
+node and a generator node whose groups are forwarded to it. Needs the optional extra: pip install -r
+requirements-ray.txt."""
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.helpers import ROOT, TINY, die_with_parent, run_train, shm_files, train_cmd
+
+
+def _without_ray(tmp_path) -> dict:
+    """An environment whose `import ray` fails, in the launcher and in every process it spawns."""
+    fake = tmp_path / "no_ray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('ray was imported')\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "no_ray"))
+
+
+def test_a_run_without_cluster_ray_never_imports_ray(tiny_model_dir, tmp_path):
+    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "steps=1", "eval.every=0",
+                                      "checkpoint.at_end=false", *TINY), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=_without_ray(tmp_path), preexec_fn=die_with_parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_cluster_ray_without_ray_installed_says_how_to_install_it(tiny_model_dir, tmp_path):
+    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "cluster=ray", "steps=1",
+                                      *TINY), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=_without_ray(tmp_path), preexec_fn=die_with_parent)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "error: cluster=ray needs Ray: pip install -r requirements-ray.txt"
+
+
+def _ray_processes() -> set[int]:
+    """Live processes of Ray's (its daemons and workers), from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if "ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::"):
+                found.add(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    before, ray_before = shm_files(), _ray_processes()
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "steps=4", "max_staleness=1",
+                       "eval.every=0", "checkpoint.at_end=false", *TINY, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["staleness_max"] for r in rows) <= 1
+    # the trainer node has no rollout worker (the preset): every group trained came from the generator node
+    assert summary["ray/node1_groups"] >= 4 * 2 and summary["ray/node1_lost"] == 0
+    # its weights followed the trainer's: a new version went out after steps, and its tokens were sampled by them
+    assert summary["ray/broadcasts"] >= 2 and summary["ray/weights_version"] >= 2
+    assert summary["ray/node1_newest_version"] >= 1
+    assert _ray_processes() <= ray_before and shm_files() <= before  # nothing left running, no shared memory
+
+
+def _pid_named(name: str) -> int | None:
+    """The live process whose title is `name` (the supervisor names them: ringrl:rollout-1)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[0].decode(errors="replace").strip() == name:
+                        return int(entry)
+            except OSError:
+                continue
+    return None
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _rows(metrics) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str):
+    """A long cluster=ray run: once the trainer has logged a step, `kill(pid of the generator node's worker)`;
+    once the run has said `warning` and trained two more steps, Ctrl-C. Its stderr lines and summary."""
+    pytest.importorskip("ray")
+    before, ray_before = shm_files(), _ray_processes()
+    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray", f"cluster.ray.nodes={nodes}",
+                                      "cluster.ray.call_timeout_s=30", "steps=1000", "max_staleness=1", "eval.every=0",
+                                      "checkpoint.at_end=false", *TINY),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.time() + 300  # a bound on a hang, not a timing: every wait is for a state
+    metrics = tmp_path / "metrics.jsonl"
+
+    def wait_for(state):
+        while not state():
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+
+    try:
+        wait_for(lambda: _rows(metrics) and _pid_named(f"ringrl:{worker}"))
+        kill(_pid_named(f"ringrl:{worker}"))
+        wait_for(lambda: any(line.startswith(warning) for line in lines))
+        rows = _rows(metrics)
+        wait_for(lambda: _rows(metrics) >= rows + 2)  # the run goes on
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=30)
+    assert proc.returncode == 130, "".join(lines)[-3000:]  # interrupted: the launcher's Ctrl-C
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    with open(metrics) as f:
+        assert max(json.loads(line)["staleness_max"] for line in f) <= 1
+    assert _ray_processes() <= ray_before and shm_files() <= before  # nothing left running, no shared memory
+    return [line.rstrip("\n") for line in lines], summary
+
+
+@pytest.mark.slow
+def test_a_lost_generator_node_is_dropped_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    """The generator node's machine goes (its raylet killed: Ray's health checks end it and its actors); the
+    trainer node's own worker keeps the run going."""
+    def kill_the_node(rollout):
+        agent = _parent(rollout)
+        os.kill(_parent(agent), signal.SIGKILL)  # the node's raylet: the agent and its workers go with it
+
+    lines, summary = _fault_run(tmp_path, tiny_model_dir, "[{role: trainer, cores: 1, rollout_workers: 1, "
+                                "trainer_ranks: 1}, {role: generator, cores: 1}]", kill_the_node,
+                                "warning: generator node 1 lost", "rollout-1")  # the trainer node's is rollout-0
+    assert len([line for line in lines if line.startswith("warning: generator node 1 lost")]) == 1
+    assert summary["ray/node1_lost"] == 1 and summary["ray/node1_restarts"] == 0
+
+
+@pytest.mark.slow
+def test_a_killed_agent_is_restarted_where_its_workers_stopped(tiny_model_dir, tmp_path):
+    """The agent actor dies (SIGKILL), its machine stays: a new agent takes over. The trainer node generates
+    nothing, so the steps after the restart are trained on the new agent's groups."""
+    lines, summary = _fault_run(tmp_path, tiny_model_dir, "[{role: trainer, cores: 1, rollout_workers: 0, "
+                                "trainer_ranks: 1}, {role: generator, cores: 1}]",
+                                lambda rollout: os.kill(_parent(rollout), signal.SIGKILL),
+                                "warning: generator node 1's agent failed", "rollout-0")  # the only one
+    restarted = [line for line in lines if line.startswith("warning: generator node 1's agent failed")]
+    assert len(restarted) == 1 and "restarting it (1/3)" in restarted[0]
+    assert summary["ray/node1_restarts"] == 1 and summary["ray/node1_lost"] == 0
