@@ -1,4 +1,4 @@
-"""Memory of a process tree, as the kernel accounts it (Linux /proc)."""
+"""Memory of a process tree, as the kernel accounts it (Linux /proc), and shared memory nobody holds any more."""
 import os
 
 
@@ -44,3 +44,29 @@ def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
         name = names.get(child, "other")
         parts[name] = parts.get(name, 0.0) + tree_pss_mb(child)
     return parts
+
+
+def remove_unmapped_semaphores() -> list[str]:
+    """Remove multiprocessing's named semaphores (/dev/shm/sem.mp-*) that no live process has mapped: what a
+    process tree killed whole leaves (its resource tracker killed with it, as when a Ray node's raylet dies). An
+    open semaphore stays mapped, and multiprocessing keeps every one it uses open, so nothing in use goes. glibc
+    maps a new semaphore before it has its name, and /proc/PID/maps may show the temporary one: matched by inode."""
+    try:
+        inodes = {os.stat(f"/dev/shm/{n}").st_ino: n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+    except OSError:
+        return []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/maps") as f:
+                    for line in f:
+                        if "/dev/shm/" in line:
+                            inodes.pop(int(line.split()[4]), None)
+            except (OSError, IndexError, ValueError):
+                pass
+    for name in inodes.values():
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
+    return sorted(inodes.values())

@@ -21,6 +21,7 @@ with the other nodes. Every Ray call and collective set-up has a deadline (clust
 """
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -30,8 +31,8 @@ from datetime import timedelta
 import torch
 
 from launch.agent import GeneratorAgent, NodeArgs, NodeRun
+from launch.memory import remove_unmapped_semaphores
 from launch.plan import free_port
-from launch.supervisor import remove_unmapped_semaphores
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RayNodes:
         self.local_workers = first_worker  # the trainer node's own
         self.error: str | None = None  # why the nodes ended the run, if they did
         self.cluster = None  # the simulated cluster (address "")
+        self.reaper = None  # its reaper (launch/reaper.py)
         self.group = None
         self.pg = None
         self.thread = None
@@ -84,6 +86,9 @@ class RayNodes:
         timeout = self.cfg.call_timeout_s
         if not self.cfg.address:
             self.cluster = _simulated_cluster(self.cfg)
+            # Its daemons are this process's children; the reaper kills them if this process dies unannounced.
+            self.reaper = subprocess.Popen([sys.executable, "-m", "launch.reaper", str(os.getpid())], cwd=_root(),
+                                           start_new_session=True)
         ray.init(address=self.cluster.address if self.cluster else self.cfg.address, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": _root()}}, logging_level="WARNING",
                  configure_logging=False)
@@ -311,6 +316,10 @@ class RayNodes:
             self.cluster.shutdown()
             self.cluster = None
             remove_unmapped_semaphores()
+        if self.reaper is not None:
+            self.reaper.terminate()
+            self.reaper.wait(timeout=30)
+            self.reaper = None
 
 
 def _root() -> str:

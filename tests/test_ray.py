@@ -160,3 +160,46 @@ def test_a_killed_agent_is_restarted_where_its_workers_stopped(tiny_model_dir, t
     restarted = [line for line in lines if line.startswith("warning: generator node 1's agent failed")]
     assert len(restarted) == 1 and "restarting it (1/3)" in restarted[0]
     assert summary["ray/node1_restarts"] == 1 and summary["ray/node1_lost"] == 0
+
+
+@pytest.mark.slow
+def test_a_lost_trainer_node_leaves_nothing_running_and_resume_continues(tiny_model_dir, tmp_path):
+    """The trainer node's machine goes: its launcher killed, and with it the simulated cluster's head. Its own
+    processes die with it, the reaper (launch/reaper.py) ends the simulated nodes' daemons and the generator node's
+    agent and workers, and `resume=` continues from the last checkpoint, on a new cluster."""
+    pytest.importorskip("ray")
+    before, ray_before = shm_files(), _ray_processes()
+    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "steps=1000",
+                                      "max_staleness=1", "eval.every=0", "checkpoint.every=2",
+                                      "checkpoint.at_end=false", *TINY),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    deadline = time.time() + 300  # bounds on hangs, not timings: every wait is for a state
+    try:
+        while not (tmp_path / "checkpoints" / "step_2").exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+    finally:
+        proc.kill()  # SIGKILL: nothing of the launcher's shutdown runs
+        proc.wait()
+
+    def ours():
+        return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith("ringrl:")]
+
+    while _ray_processes() - ray_before or ours() or not shm_files() <= before:
+        assert time.time() < deadline, (_ray_processes() - ray_before, ours(), shm_files() - before)
+        time.sleep(0.2)
+    done = max(int(name.split("_")[1]) for name in os.listdir(tmp_path / "checkpoints") if name.startswith("step_"))
+    resumed = run_train(tmp_path, f"resume={tmp_path}", f"steps={done + 2}", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, done + 3))
+    assert json.loads((tmp_path / "summary.json").read_text())["ray/node1_groups"] >= 2 * 2
+    assert not _ray_processes() - ray_before and shm_files() <= before
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return ""
