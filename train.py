@@ -90,7 +90,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from launch.heartbeat import Allowance, Heartbeats
     from launch.plan import cores_for, free_port, pin_threads
     from launch.setup import RunSetup
-    from launch.shared import Shared, WorkerCounters
+    from launch.shared import NodeCounters, Shared, WorkerCounters
     from launch.summary import draw_curves, write_summary
     from launch.supervisor import Supervisor
     from rollout import RolloutArgs
@@ -134,7 +134,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         stop=sup.stop,
         finish=sup.finished,
         cores=cores,
-        hearts=hearts)
+        hearts=hearts,
+        nodes=NodeCounters([n.index for n in nodes.nodes]) if nodes else None)
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
     # What every process gets: the typed config whole, what was settled here, and its own few values.
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
@@ -194,6 +195,10 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         error = "interrupted"
     except (TimeoutError, ValueError) as e:  # cluster=ray: a node or Ray itself that did not come up
         error = str(e)
+    except Exception as e:  # cluster=ray: anything else from Ray or a collective's set-up, in one line
+        if nodes is None:
+            raise
+        error = f"cluster=ray: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     finally:
         late = sup.shutdown()
         if late:

@@ -20,6 +20,7 @@ lease not yet delivered goes back to the gate, as `Shared.reclaim` does for a de
 with the other nodes. Every Ray call and collective set-up has a deadline (cluster.ray.call_timeout_s).
 """
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,8 @@ class RayNodes:
         ray = _ray(self.cfg)
         self.ray, self.shared, self.run = ray, shared, run
         timeout = self.cfg.call_timeout_s
+        if self.cfg.address not in ("", "auto"):
+            _answers(self.cfg.address, timeout)  # ray.init would retry a wrong address for minutes
         if not self.cfg.address:
             self.cluster = _simulated_cluster(self.cfg)
             # Its daemons are this process's children; the reaper kills them if this process dies unannounced.
@@ -168,6 +171,7 @@ class RayNodes:
                 print(f"warning: the weight broadcast failed ({_line(e)}); retrying after the next exchange",
                       file=sys.stderr)
                 self.regroup = True
+            self._publish_counts()
             if all(n.lost for n in self.nodes):
                 if not self.local_workers:  # nothing can generate any more: the run ends, in one line
                     self.error = ("every generator node is lost and the trainer node has no rollout worker "
@@ -268,6 +272,17 @@ class RayNodes:
                 return alive
             time.sleep(0.5)
 
+    def _publish_counts(self) -> None:
+        """The nodes' counts where trainer rank 0 reads them for its metrics rows (launch.shared.NodeCounters)."""
+        table = self.shared.nodes
+        if table is None:
+            return
+        for row, n in enumerate(self.nodes):
+            c = n.counts
+            table.set(row, groups=c.delivered, lost_groups=c.lost_groups, restarts=c.restarts, lost=int(n.lost),
+                      forward_calls=len(c.forward_s), forward_s=sum(c.forward_s))
+        table.set(0, broadcasts=len(self.broadcast_s), broadcast_s=sum(self.broadcast_s))
+
     def metrics(self) -> dict:
         """Per node: groups delivered, lost, forwarding seconds; the weight broadcast's seconds."""
         out = {"ray/broadcasts": len(self.broadcast_s), "ray/weights_version": self.version,
@@ -351,6 +366,19 @@ def _simulated_cluster(ray_cfg):
     for node in others:
         cluster.add_node(num_cpus=node.cores, object_store_memory=store, node_ip_address="127.0.0.1")
     return cluster
+
+
+def _answers(address: str, timeout: float) -> None:
+    """Refuse, in one line, a cluster.ray.address where nothing listens."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"cluster.ray.address={address!r} must be HOST:PORT of a Ray head, auto, or empty")
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout, 10.0)).close()
+    except OSError as e:
+        raise TimeoutError(f"cluster.ray.address={address}: nothing answers there ({e.strerror or e}); start Ray "
+                           f"there with `ray start --head --port={port}`, or leave the address empty to simulate "
+                           "the nodes on this machine") from None
 
 
 def _line(error: Exception) -> str:

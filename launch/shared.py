@@ -141,6 +141,33 @@ class WorkerCounters:
         return int(self._table[:, self._column[name]].sum())
 
 
+class NodeCounters:
+    """cluster=ray: per generator node, what the trainer node's forwarding thread counted (launch/ray_nodes.py),
+    read by trainer rank 0 for each metrics row as ray/node<i>_<name>; and the weight broadcasts."""
+    NAMES = ("groups", "lost_groups", "restarts", "lost", "forward_calls", "forward_s", "broadcasts", "broadcast_s")
+
+    def __init__(self, nodes: list[int]):
+        self.nodes = list(nodes)  # each row's index in cluster.ray.nodes
+        self._table = torch.zeros(len(nodes), len(self.NAMES), dtype=torch.float64).share_memory_()
+
+    def set(self, row: int, **values: float) -> None:
+        for name, value in values.items():
+            self._table[row, self.NAMES.index(name)] = value
+
+    def metrics(self) -> dict:
+        """ray/node<i>_groups, _lost_groups, _restarts, _lost, _forward_s (a call's mean) and ray/broadcasts,
+        ray/broadcast_s (the mean), as of now."""
+        out = {}
+        for row, node in enumerate(self.nodes):
+            v = dict(zip(self.NAMES, self._table[row].tolist()))
+            calls = v["forward_calls"]
+            out.update({f"ray/node{node}_{name}": int(v[name]) for name in self.NAMES[:4]})  # counts
+            out[f"ray/node{node}_forward_s"] = v["forward_s"] / calls if calls else 0.0
+        broadcasts, seconds = self._table[0, 6].item(), self._table[0, 7].item()
+        out.update({"ray/broadcasts": int(broadcasts), "ray/broadcast_s": seconds / broadcasts if broadcasts else 0.0})
+        return out
+
+
 @dataclass(frozen=True)
 class Shared:
     ring: TrajectoryRing  # finished groups, worker -> trainer rank 0
@@ -151,6 +178,7 @@ class Shared:
     finish: Finish = field(default_factory=Finish)  # trainer rank 0 has taken its last step
     cores: Cores | None = None  # who uses the CPU cores now (None: nobody changes thread counts)
     hearts: Heartbeats | None = None  # each process's last progress and phase (None: nobody watches)
+    nodes: NodeCounters | None = None  # cluster=ray: the generator nodes' counts (None: one machine)
 
     def heart(self, name: str):
         """`name`'s heartbeat (launch/heartbeat.py), or one that goes nowhere when nobody watches."""

@@ -51,6 +51,15 @@ def _ray_processes() -> set[int]:
     return found
 
 
+def test_an_address_where_no_ray_answers_is_one_line(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "cluster.ray.address=127.0.0.1:1",
+                       "steps=1", *TINY, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: cluster.ray.address=127.0.0.1:1: nothing answers there (Connection refused); start Ray there with")
+
+
 @pytest.mark.slow
 def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
@@ -68,6 +77,10 @@ def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
     # its weights followed the trainer's: a new version went out after steps, and its tokens were sampled by them
     assert summary["ray/broadcasts"] >= 2 and summary["ray/weights_version"] >= 2
     assert summary["ray/node1_newest_version"] >= 1
+    # ... and each metrics row says how far the node had got: its groups never fall, and they fed every step
+    groups = [r["ray/node1_groups"] for r in rows]
+    assert groups == sorted(groups) and groups[-1] >= 4 * 2 and rows[-1]["ray/node1_lost"] == 0
+    assert rows[-1]["ray/broadcasts"] >= 2 and rows[-1]["ray/broadcast_s"] > 0 and rows[-1]["ray/node1_forward_s"] > 0
     assert _ray_processes() <= ray_before and shm_files() <= before  # nothing left running, no shared memory
 
 

@@ -311,7 +311,8 @@ def _counts(shared: Shared) -> dict:
     total = shared.counters.total
     return {"tokens": total("tokens"), "reward/timeouts": total("reward_timeouts"),
             "reward/errors": total("reward_errors"), **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
-            **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS}}
+            **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS},
+            **(shared.nodes.metrics() if shared.nodes is not None else {})}
 
 
 def _peak_memory(device: torch.device) -> dict:
