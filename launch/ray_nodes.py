@@ -69,6 +69,8 @@ class RayNodes:
         self.workers = first_worker + sum(len(n.worker_ids) for n in self.nodes)  # every node's together
         self.local_workers = first_worker  # the trainer node's own
         self.error: str | None = None  # why the nodes ended the run, if they did
+        self.gcs = ""  # the head's GCS address, once started
+        self.head_lost = False  # the head's Ray stopped answering
         self.cluster = None  # the simulated cluster (address "")
         self.reaper = None  # its reaper (launch/reaper.py)
         self.group = None
@@ -111,6 +113,7 @@ class RayNodes:
         for node, node_id in zip(self.nodes, ready):
             node.node_id = node_id
         self._join_weights()
+        self.gcs = ray.get_runtime_context().gcs_address  # the head's: the trainer node's Ray
         self.thread = threading.Thread(target=self._forward, name="ray-forward", daemon=True)
         self.thread.start()
 
@@ -149,12 +152,19 @@ class RayNodes:
 
     def _forward(self) -> None:
         shared = self.shared
+        next_probe = time.monotonic()
         while not (self.done.is_set() or shared.rollouts_over()):
+            if time.monotonic() >= next_probe:  # the trainer node's Ray gone while this launcher lives: stop
+                next_probe = time.monotonic() + self.cfg.health_check_period_s
+                if not self._head_answers():
+                    return self._lose_head()
             moved = 0
             for node in [n for n in self.nodes if not n.lost]:
                 try:
                     moved += self._exchange(node)
                 except Exception as e:  # a lost node, a dead agent, a call past its deadline
+                    if not self._head_answers():  # not the node: the head (Ray's node table is gone with it)
+                        return self._lose_head()
                     self._failed(node, e)
             if self.regroup and not self.done.is_set():  # before any broadcast: the old group has a dead peer
                 self.regroup = False
@@ -179,6 +189,26 @@ class RayNodes:
                     shared.stop.set()
                     return
                 self.done.wait(0.2)
+
+    def _lose_head(self) -> None:
+        """The head's Ray is gone while this launcher lives: the run stops in one line (Ray's own client ends this
+        process a minute after its GCS went, so nothing here may wait on Ray any more)."""
+        self.head_lost = True
+        self.error = (f"the trainer node's Ray (its head, {self.gcs}) stopped answering; resume=<this run's "
+                      "folder> continues from its last checkpoint")
+        self.shared.stop.set()
+
+    def _head_answers(self) -> bool:
+        """Whether the head's GCS accepts a connection (twice refused, a second apart: gone)."""
+        host, _, port = self.gcs.rpartition(":")
+        for attempt in range(2):
+            try:
+                socket.create_connection((host, int(port)), timeout=2.0).close()
+                return True
+            except OSError:
+                if attempt == 0:
+                    time.sleep(1.0)
+        return False
 
     def _exchange(self, node: Node) -> int:
         shared, ray = self.shared, self.ray
@@ -303,7 +333,11 @@ class RayNodes:
         if self.thread is not None:
             self.thread.join(timeout=self.cfg.call_timeout_s)
         ray = getattr(self, "ray", None)
-        if ray is not None and ray.is_initialized():
+        if self.head_lost and self.cluster is not None:  # no Ray call can succeed: end the simulated nodes here
+            _kill_ray_below(os.getpid())
+            self.cluster = None
+            remove_unmapped_semaphores()
+        elif ray is not None and ray.is_initialized():
             stops = [n.agent.stop.remote() for n in self.nodes if n.agent is not None and not n.lost]
             try:
                 ray.get(stops, timeout=60)
@@ -335,6 +369,25 @@ class RayNodes:
             self.reaper.terminate()
             self.reaper.wait(timeout=30)
             self.reaper = None
+
+
+def _kill_ray_below(root: int) -> None:
+    """Kill every Ray process in `root`'s tree (a simulated cluster's daemons and workers), and wait for them."""
+    from launch.reaper import started, tree
+
+    doomed = {}
+    for pid, start in tree(root).items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("ray::") or "/ray/" in cmd:
+            doomed[pid] = start
+            os.kill(pid, 9)
+    deadline = time.monotonic() + 10.0
+    while any(started(pid) == start for pid, start in doomed.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _root() -> str:

@@ -175,31 +175,29 @@ def test_a_killed_agent_is_restarted_where_its_workers_stopped(tiny_model_dir, t
     assert summary["ray/node1_restarts"] == 1 and summary["ray/node1_lost"] == 0
 
 
-@pytest.mark.slow
-def test_a_lost_trainer_node_leaves_nothing_running_and_resume_continues(tiny_model_dir, tmp_path):
-    """The trainer node's machine goes: its launcher killed, and with it the simulated cluster's head. Its own
-    processes die with it, the reaper (launch/reaper.py) ends the simulated nodes' daemons and the generator node's
-    agent and workers, and `resume=` continues from the last checkpoint, on a new cluster."""
-    pytest.importorskip("ray")
-    before, ray_before = shm_files(), _ray_processes()
-    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "steps=1000",
+def _checkpointing_run(tmp_path, model_dir, stderr=subprocess.DEVNULL):
+    """A long cluster=ray run, returned once its checkpoint of step 2 is written."""
+    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray", "steps=1000",
                                       "max_staleness=1", "eval.every=0", "checkpoint.every=2",
                                       "checkpoint.at_end=false", *TINY),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    deadline = time.time() + 300  # bounds on hangs, not timings: every wait is for a state
-    try:
-        while not (tmp_path / "checkpoints" / "step_2").exists():
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.2)
-    finally:
-        proc.kill()  # SIGKILL: nothing of the launcher's shutdown runs
-        proc.wait()
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True, preexec_fn=die_with_parent)
+    deadline = time.time() + 300  # a bound on a hang, not a timing: the wait is for a state
+    while not (tmp_path / "checkpoints" / "step_2").exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("the run did not write its step-2 checkpoint")
+        time.sleep(0.2)
+    return proc
 
+
+def _nothing_left_and_resume_continues(tmp_path, shm_before, ray_before):
+    """Once nothing of the run is left running (nor in /dev/shm), `resume=` continues it two steps further."""
     def ours():
         return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).startswith("ringrl:")]
 
-    while _ray_processes() - ray_before or ours() or not shm_files() <= before:
-        assert time.time() < deadline, (_ray_processes() - ray_before, ours(), shm_files() - before)
+    deadline = time.time() + 120
+    while _ray_processes() - ray_before or ours() or not shm_files() <= shm_before:
+        assert time.time() < deadline, (_ray_processes() - ray_before, ours(), shm_files() - shm_before)
         time.sleep(0.2)
     done = max(int(name.split("_")[1]) for name in os.listdir(tmp_path / "checkpoints") if name.startswith("step_"))
     resumed = run_train(tmp_path, f"resume={tmp_path}", f"steps={done + 2}", timeout=600)
@@ -207,7 +205,37 @@ def test_a_lost_trainer_node_leaves_nothing_running_and_resume_continues(tiny_mo
     with open(tmp_path / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, done + 3))
     assert json.loads((tmp_path / "summary.json").read_text())["ray/node1_groups"] >= 2 * 2
-    assert not _ray_processes() - ray_before and shm_files() <= before
+    assert not _ray_processes() - ray_before and shm_files() <= shm_before
+
+
+@pytest.mark.slow
+def test_a_lost_trainer_node_leaves_nothing_running_and_resume_continues(tiny_model_dir, tmp_path):
+    """The trainer node's machine goes: its launcher killed, and with it the simulated cluster's head. Its own
+    processes die with it, the reaper (launch/reaper.py) ends the simulated nodes' daemons and the generator node's
+    agent and workers, and `resume=` continues from the last checkpoint, on a new cluster."""
+    pytest.importorskip("ray")
+    before, ray_before = shm_files(), _ray_processes()
+    proc = _checkpointing_run(tmp_path, tiny_model_dir)
+    proc.kill()  # SIGKILL: nothing of the launcher's shutdown runs
+    proc.wait()
+    _nothing_left_and_resume_continues(tmp_path, before, ray_before)
+
+
+@pytest.mark.slow
+def test_the_trainer_node_s_ray_lost_is_one_line_and_resume_continues(tiny_model_dir, tmp_path):
+    """The head's Ray (its GCS) dies while the launcher lives: the run stops with one line naming resume=."""
+    pytest.importorskip("ray")
+    before, ray_before = shm_files(), _ray_processes()
+    proc = _checkpointing_run(tmp_path, tiny_model_dir, stderr=subprocess.PIPE)
+    gcs = [int(p) for p in os.listdir("/proc") if p.isdigit() and "gcs_server" in _cmdline(int(p))]
+    assert len(gcs) == 1
+    os.kill(gcs[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the trainer node's Ray (its head, ") and last.endswith(
+        "stopped answering; resume=<this run's folder> continues from its last checkpoint"), stderr[-3000:]
+    _nothing_left_and_resume_continues(tmp_path, before, ray_before)
 
 
 def _cmdline(pid: int) -> str:
