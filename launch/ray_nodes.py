@@ -373,21 +373,17 @@ class RayNodes:
 
 def _kill_ray_below(root: int) -> None:
     """Kill every Ray process in `root`'s tree (a simulated cluster's daemons and workers), and wait for them."""
-    from launch.reaper import started, tree
+    from launch.reaper import kill_and_wait, tree
 
-    doomed = {}
-    for pid, start in tree(root).items():
+    def is_ray(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
         except OSError:
-            continue
-        if cmd.startswith("ray::") or "/ray/" in cmd:
-            doomed[pid] = start
-            os.kill(pid, 9)
-    deadline = time.monotonic() + 10.0
-    while any(started(pid) == start for pid, start in doomed.items()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+            return False
+        return cmd.startswith("ray::") or "/ray/" in cmd
+
+    kill_and_wait({pid: start for pid, start in tree(root).items() if is_ray(pid)})
 
 
 def _root() -> str:

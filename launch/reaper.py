@@ -35,6 +35,20 @@ def tree(root: int) -> dict[int, int]:
     return seen
 
 
+def kill_and_wait(processes: dict[int, int]) -> None:
+    """SIGKILL each of `processes` (pid: start time) still the same process, and wait (10 s at most) until they
+    are gone: their mappings of shared memory go only then."""
+    for pid, start in processes.items():
+        if started(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10.0
+    while any(started(pid) == start for pid, start in processes.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def main() -> None:
     launcher = int(sys.argv[1])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's own shutdown: nothing to do
@@ -43,15 +57,7 @@ def main() -> None:
         seen.update(tree(launcher))
         seen.pop(os.getpid(), None)
         time.sleep(0.5)
-    for pid, start in seen.items():
-        if started(pid) == start:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 10.0
-    while any(started(pid) == start for pid, start in seen.items()) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the killed processes' mappings go once they are reaped
+    kill_and_wait(seen)
     remove_unmapped_semaphores()
 
 

@@ -86,15 +86,7 @@ def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
 
 def _pid_named(name: str) -> int | None:
     """The live process whose title is `name` (the supervisor names them: ringrl:rollout-1)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].decode(errors="replace").strip() == name:
-                        return int(entry)
-            except OSError:
-                continue
-    return None
+    return next((int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == name), None)
 
 
 def _parent(pid: int) -> int:
