@@ -14,7 +14,9 @@ Prints tokens/s of both in fp32 and bf16 and the engine against two limits measu
 matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt: prefill is work too) and memory
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
 over the measured copy bandwidth, times the sequences a step decodes); the engine's fraction of the lower one is
-`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16).
+`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16). Where the bf16 engine's
+matmuls read oneDNN-blocked weights (a CPU with AVX-512, engines/llama.py `blocks_weights`), it also runs on the
+plain weights, the same requests, and prints `blocked_vs_plain=<ratio>`.
 `--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
 on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
 """
@@ -26,6 +28,7 @@ import torch
 from bench.common import copy_bandwidth, load, matmul_peak_flops, task_prompts
 from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
+from engines.llama import blocks_weights
 
 
 def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, peak: float, bandwidth: float,
@@ -46,11 +49,14 @@ def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, pe
     return compute, memory
 
 
-def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False, slots: int = 0) -> tuple[int, float]:
+def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False, slots: int = 0,
+               plain: bool = False) -> tuple[int, float]:
     """Tokens generated and seconds: `prompts` through `slots` engine slots (default: one each); eos None: none stop
-    early."""
+    early. `plain`: the matmuls read the plain weights (F.linear), not the blocked copies a bf16 CPU engine keeps."""
     engine = BuiltinEngine(model, max_batch=slots or len(prompts), max_len=max(map(len, prompts)) + new_tokens,
                            seed=0, dtype=dtype, fallback=fallback)
+    if plain:
+        engine.model.blocked = {}
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
                             stop_token_ids=() if eos is None else (eos,))
@@ -101,6 +107,7 @@ def main():
     if args.fallback:
         return compare_paths(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos)
     ratio = at = None
+    engine_blocks = blocks_weights(torch.device("cpu"), torch.bfloat16)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in (torch.float32, torch.bfloat16):
@@ -117,6 +124,12 @@ def main():
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
               f"tok/s -> engine_at={at:.0%} of the lower")
+        if dtype == torch.bfloat16 and engine_blocks:
+            plain_tokens, plain_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos,
+                                               dtype, slots=args.sequences, plain=True)
+            blocked_vs_plain = engine_tps / (plain_tokens / plain_s)
+            print(f"{str(dtype):15s} engine on the plain weights (F.linear) {plain_tokens / plain_s:7.1f} tok/s "
+                  f"({plain_tokens} tokens) -> blocked_vs_plain={blocked_vs_plain:.2f}")
     print(f"engine_vs_hf={ratio:.2f}")
     print(f"engine_at_limit={at:.2f}")
 

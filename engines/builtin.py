@@ -4,8 +4,10 @@
     completions = engine.generate([Request(i, ids, SamplingParams(temperature=1.0)) for i, ids in ...])
 
 Or drive it yourself: `add()` requests, call `step()` (admit + one decode step) and collect what
-finishes. Between steps a rollout worker may `.copy_()` new weights into `weight_tensors()` and
-`set_version(v)`: sequences in flight keep their cache and their later tokens record version v.
+finishes. Between steps a rollout worker may `.copy_()` new weights into `weight_tensors()` and then call
+`adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. (On a bf16 CPU
+the matmuls read blocked copies of the weights that `adopt_weights` remakes; `set_version` alone would leave them
+on the old weights.)
 """
 import heapq
 from collections import OrderedDict, deque
@@ -173,6 +175,7 @@ class BuiltinEngine:
             torch.cuda.synchronize(flat.device)
 
     def adopt_weights(self, version: int) -> list[Completion]:
+        self.model.block_weights()  # the copies the matmuls read follow the weights just loaded
         self.version = version
         return []
 

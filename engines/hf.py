@@ -81,6 +81,9 @@ class HFForward:
         """HF names -> the model's own parameter tensors (a `.copy_()` into them changes what the model computes)."""
         return dict(self.lm.state_dict(keep_vars=False))
 
+    def block_weights(self) -> None:
+        """Nothing to remake: the model reads its parameters as they are (engines/llama.py keeps blocked copies)."""
+
     def new_cache(self, max_batch: int, max_len: int) -> tuple[SlotCache, None]:
         return SlotCache(max_batch, max_len), None
 

@@ -3,7 +3,8 @@ device: the built-in engine's fast path. Every other causal LM runs on engines/h
 
 Weights are copied out of the Hugging Face model into the engine's own tensors, with q/k/v and
 gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named row views of them,
-so a trainer can `.copy_()` new weights in without knowing about the fusion.
+so a trainer can `.copy_()` new weights in without knowing about the fusion; `block_weights()` must follow
+(the built-in engine's `adopt_weights` calls it).
 """
 from dataclasses import dataclass
 
@@ -49,6 +50,15 @@ def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torc
     freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos() * scale, angles.sin() * scale
+
+
+def blocks_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the matmuls read oneDNN-blocked copies of the weights: bf16 on a CPU with AVX-512 (native bf16). There
+    the blocked matmul gives the same bits as F.linear on the plain weight, about 1.4x faster at decode's 32-64 rows
+    alone. fp32's blocked results differ from F.linear's in the last bits, so fp32 keeps F.linear, as does bf16
+    without AVX-512 (not measured there)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +110,8 @@ class Llama:
         self.layers = [self._load_layer(state, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
         cos, sin = rope_tables(config, self.head_dim, max_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+        self.blocked: dict[int, torch.Tensor] = {}  # a matrix's data_ptr -> its blocked copy
+        self.block_weights()
 
     def _own(self, state: dict, name: str) -> torch.Tensor:
         # A copy, never an alias: the HF parameters may belong to a trainer that keeps updating them.
@@ -133,6 +145,22 @@ class Llama:
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.views)
 
+    def block_weights(self) -> None:
+        """(Re)make the blocked copies the matmuls read (`blocks_weights`), after the plain weights changed: about
+        0.1 s for 135M parameters, once a version, against about 10 ms saved on every decode step of 32 rows."""
+        if not blocks_weights(self.device, self.dtype):
+            return
+        matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                          layer.down)]
+        self.blocked = {}  # the old copies go before the new ones are made: never two sets at once
+        self.blocked = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in matrices}
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        blocked = self.blocked.get(weight.data_ptr())
+        if blocked is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
+
     def new_cache(self, max_batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim)
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -140,7 +168,7 @@ class Llama:
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., D] -> q [..., H, hd] and k [..., KV, hd], both rotated, and v [..., KV, hd]."""
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).unflatten(-1, (-1, self.head_dim))
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias).unflatten(-1, (-1, self.head_dim))
         qk = qkv[..., :self.n_heads + self.n_kv_heads, :]
         if layer.q_norm is not None:
             qk = torch.cat((rms_norm(qk[..., :self.n_heads, :], layer.q_norm, self.eps),
@@ -149,8 +177,8 @@ class Llama:
         return qk[..., :self.n_heads, :], qk[..., self.n_heads:, :], qkv[..., self.n_heads + self.n_kv_heads:, :]
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rms_norm(x, layer.mlp_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = self._linear(rms_norm(x, layer.mlp_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, layer.down)
 
     def prefill(self, k_cache, v_cache, ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill the cache of slot `slots[j]` with the keys/values of prompt `ids[rows[j]]`.
@@ -169,7 +197,7 @@ class Llama:
             if i == len(self.layers) - 1:
                 break  # the last layer's output only feeds logits, which prefill does not produce
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+            x = x + self._linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
 
     def extend(self, k_cache, v_cache, ids: torch.Tensor, slot: int, start: int) -> None:
@@ -188,7 +216,7 @@ class Llama:
                 break  # as in prefill: no logits
             keys, values = k_cache[i, slot:slot + 1, :, :start + m], v_cache[i, slot:slot + 1, :, :start + m]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+            x = x + self._linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
 
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -213,6 +241,6 @@ class Llama:
             # The G query heads sharing a kv head go in as G query rows: faster on CPU than enable_gqa.
             attn = F.scaled_dot_product_attention(q.unflatten(1, (self.n_kv_heads, -1)), keys, values,
                                                   attn_mask=visible)
-            x = x + F.linear(attn.flatten(1), layer.o, layer.o_bias)
+            x = x + self._linear(attn.flatten(1), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
-        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+        return self._linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()

@@ -101,7 +101,7 @@ def check_an_in_flight_weight_load(model, new_model, vocab: int) -> None:
     new_state = new_model.state_dict()
     for name, tensor in engine.weight_tensors().items():
         tensor.copy_(new_state[name])
-    engine.set_version(1)
+    engine.adopt_weights(1)
     engine.add(Request(3, prompts[0], SamplingParams(max_new_tokens=6)))
     done = {}
     while engine.num_running() or engine.num_waiting():
@@ -311,3 +311,36 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
     for batch, tokens in zip(batches, expected):
         assert [c.token_ids for c in engine.generate(batch)] == tokens
         assert engine.k_cache is None and engine.v_cache is None
+
+
+def test_bfloat16_matmuls_read_blocked_weights_that_follow_each_new_version(model):
+    """On a CPU with native bf16 the fast path's matmuls read oneDNN-blocked copies of its weights
+    (engines/llama.py `block_weights`): the same tokens and logprobs as F.linear on the plain weights, and remade by
+    adopt_weights, so a request after a weight load samples from the new weights exactly as a fresh engine would."""
+    from engines.llama import blocks_weights
+
+    def run(engine):
+        requests = [Request(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(random_prompts([6, 15, 9]))]
+        return [(c.token_ids, c.logprobs) for c in engine.generate(requests)]
+
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    if not blocks_weights(torch.device("cpu"), torch.bfloat16):
+        assert engine.model.blocked == {}  # no AVX-512: F.linear on the plain weights
+        pytest.skip("this CPU has no native bf16: the engine keeps F.linear")
+    assert len(engine.model.blocked) == 1 + 4 * len(engine.model.layers)
+    blocked = run(engine)
+    engine.model.blocked = {}
+    assert run(engine) == blocked
+
+    shifted = LlamaForCausalLM(model.config).eval()
+    shifted.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in shifted.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    state = shifted.state_dict()
+    with torch.no_grad():
+        for name, tensor in engine.weight_tensors().items():
+            tensor.copy_(state[name])
+    engine.adopt_weights(1)
+    assert run(engine) == run(BuiltinEngine(shifted, max_batch=2, max_len=48, dtype=torch.bfloat16)) != blocked
