@@ -17,7 +17,10 @@ writer of those workers' lanes in the trainer node's ring, loops over the nodes:
   store would take seconds for a model's weights).
 A node that fails a call (Ray's health checks end a lost node's actor) is dropped with one warning line: its
 lease not yet delivered goes back to the gate, as `Shared.reclaim` does for a dead worker, and the run goes on
-with the other nodes. Every Ray call and collective set-up has a deadline (cluster.ray.call_timeout_s).
+with the other nodes. A machine that joins the cluster later with the cores asked for replaces it: Ray moves the
+lost node's bundle of the placement group there, and a new agent takes over the node's workers where they
+stopped. With nothing left to generate, the run waits cluster.ray.replace_timeout_s for such a machine. Every Ray
+call and collective set-up has a deadline (cluster.ray.call_timeout_s).
 """
 import os
 import socket
@@ -41,7 +44,8 @@ class NodeCounts:
     """What a generator node did, for summary.json (ray/node<i>_*)."""
     delivered: int = 0  # groups put in the trainer node's ring
     lost_groups: int = 0  # leased and never delivered, when its agent failed
-    restarts: int = 0  # new agents started for it
+    restarts: int = 0  # new agents started for it on its machine
+    replacements: int = 0  # new machines that took its place after it was lost
     newest_version: int = -1  # the newest policy version of a token it delivered: its weights follow the trainer's
     forward_s: list[float] = field(default_factory=list)  # each call that brought groups: seconds
 
@@ -152,7 +156,8 @@ class RayNodes:
 
     def _forward(self) -> None:
         shared = self.shared
-        next_probe = time.monotonic()
+        next_probe = next_replace = time.monotonic()
+        idle_since = None  # since when nothing could generate (every generator node lost, none here)
         while not (self.done.is_set() or shared.rollouts_over()):
             if time.monotonic() >= next_probe:  # the trainer node's Ray gone while this launcher lives: stop
                 next_probe = time.monotonic() + self.cfg.health_check_period_s
@@ -181,13 +186,28 @@ class RayNodes:
                 print(f"warning: the weight broadcast failed ({_line(e)}); retrying after the next exchange",
                       file=sys.stderr)
                 self.regroup = True
+            if any(n.lost for n in self.nodes) and time.monotonic() >= next_replace:
+                next_replace = time.monotonic() + self.cfg.health_check_period_s
+                for node in [n for n in self.nodes if n.lost]:
+                    self._replace(node)
             self._publish_counts()
-            if all(n.lost for n in self.nodes):
-                if not self.local_workers:  # nothing can generate any more: the run ends, in one line
-                    self.error = ("every generator node is lost and the trainer node has no rollout worker "
-                                  "(cluster.ray.nodes); resume=<this run's folder> continues from its last checkpoint")
+            if not all(n.lost for n in self.nodes):
+                idle_since = None
+            elif not self.local_workers:  # nothing can generate: wait for a replacement, then end in one line
+                if idle_since is None:
+                    idle_since = time.monotonic()
+                    print(f"warning: every generator node is lost and the trainer node has no rollout worker; waiting "
+                          f"up to {self.cfg.replace_timeout_s:g} s (cluster.ray.replace_timeout_s) for a machine to "
+                          f"replace one: {self.join_command()}", file=sys.stderr)
+                if time.monotonic() - idle_since >= self.cfg.replace_timeout_s:
+                    self.error = ("every generator node is lost, the trainer node has no rollout worker and no "
+                                  f"machine replaced one in {self.cfg.replace_timeout_s:g} s "
+                                  "(cluster.ray.replace_timeout_s); resume=<this run's folder> continues from its "
+                                  "last checkpoint")
                     shared.stop.set()
                     return
+                self.done.wait(0.2)
+            else:
                 self.done.wait(0.2)
 
     def _lose_head(self) -> None:
@@ -290,7 +310,8 @@ class RayNodes:
         if self.cluster is not None:  # a simulated node, on this machine: what its killed processes left
             remove_unmapped_semaphores()
         print(f"warning: generator node {node.index} lost ({_line(error)}); {max(undelivered, 0)} groups leased "
-              "to it and not delivered handed back; going on without it", file=sys.stderr)
+              f"to it and not delivered handed back; going on without it until a machine replaces it "
+              f"({self.join_command()})", file=sys.stderr)
 
     def _node_alive(self, node: Node) -> bool:
         """Whether the machine `node`'s agent ran on is still in the cluster, once Ray's health checks (3 missed)
@@ -302,6 +323,47 @@ class RayNodes:
                 return alive
             time.sleep(0.5)
 
+    def _replace(self, node: Node) -> None:
+        """If Ray has placed lost `node`'s bundle on a machine that joined since (a placement group's bundles move
+        to a new node that has the resources), start a new agent there that takes over the node's workers where
+        they stopped. One warning line whether it starts or not."""
+        from ray.util.placement_group import placement_group_table
+
+        bundle = 1 + self.nodes.index(node)
+        table = placement_group_table(self.pg)
+        where = table.get("bundles_to_node_id", {}).get(bundle)
+        if table.get("state") != "CREATED" or not where or where == node.node_id:
+            return
+        counters = self.shared.counters
+        try:
+            self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids),
+                        counters.rows(node.worker_ids))
+            node.node_id = _get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
+                                f"generator node {node.index}'s replacement")
+        except Exception as e:
+            print(f"warning: generator node {node.index}'s replacement did not start ({_line(e)}); waiting for "
+                  "another", file=sys.stderr)
+            try:
+                self.ray.kill(node.agent)
+            except Exception:
+                pass
+            node.node_id = where  # that machine is not tried again
+            return
+        node.lost = False
+        node.counts.replacements += 1
+        self.regroup = True  # the broadcast's group gains it; its first broadcast brings the current weights
+        print(f"warning: generator node {node.index} replaced by a machine that joined the cluster (Ray node "
+              f"{where[:12]}); its workers continue where they stopped", file=sys.stderr)
+
+    def join_command(self) -> str:
+        """How a machine joins this cluster as a generator node."""
+        cores = max(self.cfg.nodes[n.index].cores for n in self.nodes)
+        if self.cluster is None:
+            return f"ray start --address={self.gcs} --num-cpus={cores}"
+        # a simulated cluster, on the loopback, which `ray start` cannot join (scripts/ray_join.py says why)
+        return (f"python -m scripts.ray_join --address={self.cluster.address} --num-cpus={cores} "
+                f"--object-store-memory={self.cfg.object_store_mb * 2**20}")
+
     def _publish_counts(self) -> None:
         """The nodes' counts where trainer rank 0 reads them for its metrics rows (launch.shared.NodeCounters)."""
         table = self.shared.nodes
@@ -310,7 +372,7 @@ class RayNodes:
         for row, n in enumerate(self.nodes):
             c = n.counts
             table.set(row, groups=c.delivered, lost_groups=c.lost_groups, restarts=c.restarts, lost=int(n.lost),
-                      forward_calls=len(c.forward_s), forward_s=sum(c.forward_s))
+                      replacements=c.replacements, forward_calls=len(c.forward_s), forward_s=sum(c.forward_s))
         table.set(0, broadcasts=len(self.broadcast_s), broadcast_s=sum(self.broadcast_s))
 
     def metrics(self) -> dict:
@@ -323,6 +385,7 @@ class RayNodes:
             out[f"ray/node{n.index}_lost"] = int(n.lost)
             out[f"ray/node{n.index}_lost_groups"] = counts.lost_groups
             out[f"ray/node{n.index}_restarts"] = counts.restarts
+            out[f"ray/node{n.index}_replacements"] = counts.replacements
             out[f"ray/node{n.index}_newest_version"] = counts.newest_version
             out[f"ray/node{n.index}_forward_s"] = statistics.mean(counts.forward_s) if counts.forward_s else 0.0
         return out

@@ -62,6 +62,9 @@ class RayConfig:
     health_check_period_s: float = 1.0  # how often Ray checks a node; lost after 3 missed checks
     call_timeout_s: float = 120.0  # every ray.get and every collective's set-up: a node that does not answer is lost
     forward_groups: int = 8  # groups one forwarding call brings from a generator node, at most
+    # with every generator node lost and no rollout worker on the trainer node: how long to wait for a machine to
+    # replace one (`ray start --address=...` there) before the run ends in one line; 0: end at once
+    replace_timeout_s: float = 600.0
     nodes: list[RayNode] = field(default_factory=_two_nodes)
 
     def check(self):
@@ -77,6 +80,7 @@ class RayConfig:
                 self.health_check_period_s)
         require(self.call_timeout_s > 0, "cluster.ray.call_timeout_s", "must be > 0", self.call_timeout_s)
         require(self.forward_groups >= 1, "cluster.ray.forward_groups", "must be >= 1", self.forward_groups)
+        require(self.replace_timeout_s >= 0, "cluster.ray.replace_timeout_s", "must be >= 0", self.replace_timeout_s)
 
     @property
     def trainer_node(self) -> RayNode:

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -98,9 +99,11 @@ def _rows(metrics) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str):
+def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str, recover=None):
     """A long cluster=ray run: once the trainer has logged a step, `kill(pid of the generator node's worker)`;
-    once the run has said `warning` and trained two more steps, Ctrl-C. Its stderr lines and summary."""
+    once the run has said `warning` (and `recover(lines, wait_for)` has returned, if given) and trained two more
+    steps, Ctrl-C. Its stderr lines and summary. `recover` returns a function that ends what it started, called once
+    the run has stopped."""
     pytest.importorskip("ray")
     before, ray_before = shm_files(), _ray_processes()
     proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray", f"cluster.ray.nodes={nodes}",
@@ -119,10 +122,13 @@ def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str)
             assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
 
+    end = None
     try:
         wait_for(lambda: _rows(metrics) and _pid_named(f"ringrl:{worker}"))
         kill(_pid_named(f"ringrl:{worker}"))
         wait_for(lambda: any(line.startswith(warning) for line in lines))
+        if recover is not None:
+            end = recover(lines, wait_for)
         rows = _rows(metrics)
         wait_for(lambda: _rows(metrics) >= rows + 2)  # the run goes on
         proc.send_signal(signal.SIGINT)
@@ -130,6 +136,8 @@ def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str)
     finally:
         if proc.poll() is None:
             proc.kill()
+        if end is not None:
+            end()
     reader.join(timeout=30)
     assert proc.returncode == 130, "".join(lines)[-3000:]  # interrupted: the launcher's Ctrl-C
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -139,19 +147,57 @@ def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str)
     return [line.rstrip("\n") for line in lines], summary
 
 
+def _kill_the_node(rollout: int) -> None:
+    """The generator node's machine goes: its raylet killed (the agent and its workers go with it)."""
+    os.kill(_parent(_parent(rollout)), signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_lost_generator_node_is_dropped_and_the_run_goes_on(tiny_model_dir, tmp_path):
     """The generator node's machine goes (its raylet killed: Ray's health checks end it and its actors); the
     trainer node's own worker keeps the run going."""
-    def kill_the_node(rollout):
-        agent = _parent(rollout)
-        os.kill(_parent(agent), signal.SIGKILL)  # the node's raylet: the agent and its workers go with it
-
     lines, summary = _fault_run(tmp_path, tiny_model_dir, "[{role: trainer, cores: 1, rollout_workers: 1, "
-                                "trainer_ranks: 1}, {role: generator, cores: 1}]", kill_the_node,
+                                "trainer_ranks: 1}, {role: generator, cores: 1}]", _kill_the_node,
                                 "warning: generator node 1 lost", "rollout-1")  # the trainer node's is rollout-0
     assert len([line for line in lines if line.startswith("warning: generator node 1 lost")]) == 1
     assert summary["ray/node1_lost"] == 1 and summary["ray/node1_restarts"] == 0
+    assert summary["ray/node1_replacements"] == 0
+
+
+@pytest.mark.slow
+def test_a_machine_that_joins_replaces_a_lost_generator_node(tiny_model_dir, tmp_path):
+    """Nothing else generates (the trainer node has no rollout worker), so the run waits, in one warning line that
+    gives the command a new machine runs; a Ray node started with it (on this machine) takes the lost node's place
+    and the steps after it are trained on its groups."""
+    def join(lines, wait_for):
+        (waiting,) = [line for line in lines if line.startswith("warning: every generator node is lost")]
+        command = waiting.split("replace one: ", 1)[1].split()  # a simulated cluster's: scripts/ray_join.py
+        assert command[:3] == ["python", "-m", "scripts.ray_join"] and command[3].startswith("--address=127.0.0.1:")
+        node = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: any(line.startswith("warning: generator node 1 replaced") for line in lines))
+
+        def end():  # the machine leaves: its node's processes stopped, whatever of them outlives it killed
+            node.terminate()
+            try:
+                node.wait(timeout=60)
+            finally:
+                try:
+                    os.killpg(node.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                node.wait()
+            deadline = time.time() + 60
+            while _ray_processes() - ray_before and time.time() < deadline:
+                time.sleep(0.2)
+        return end
+
+    ray_before = _ray_processes()
+    lines, summary = _fault_run(tmp_path, tiny_model_dir, "[{role: trainer, cores: 1, rollout_workers: 0, "
+                                "trainer_ranks: 1}, {role: generator, cores: 1}]", _kill_the_node,
+                                "warning: every generator node is lost", "rollout-0", recover=join)
+    assert len([line for line in lines if line.startswith("warning: generator node 1 lost")]) == 1
+    assert summary["ray/node1_replacements"] == 1 and summary["ray/node1_lost"] == 0
 
 
 @pytest.mark.slow
