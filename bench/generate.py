@@ -56,7 +56,7 @@ def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False, s
     engine = BuiltinEngine(model, max_batch=slots or len(prompts), max_len=max(map(len, prompts)) + new_tokens,
                            seed=0, dtype=dtype, fallback=fallback)
     if plain:
-        engine.model.blocked = {}
+        engine.model.blocks = False
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
                             stop_token_ids=() if eos is None else (eos,))

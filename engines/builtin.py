@@ -6,8 +6,8 @@
 Or drive it yourself: `add()` requests, call `step()` (admit + one decode step) and collect what
 finishes. Between steps a rollout worker may `.copy_()` new weights into `weight_tensors()` and then call
 `adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. (On a bf16 CPU
-the matmuls read blocked copies of the weights that `adopt_weights` remakes; `set_version` alone would leave them
-on the old weights.)
+the matmuls read blocked copies of the weights: `adopt_weights` drops them, and the next step makes them from the
+new weights; `set_version` alone would leave them on the old ones.)
 """
 import heapq
 from collections import OrderedDict, deque
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engines.arch import forward_for
 from engines.base import Completion, Request, check_request, completes_stop_string
 from engines.buckets import unpack
+from heap import release_free_heap
 
 
 @dataclass
@@ -175,7 +176,7 @@ class BuiltinEngine:
             torch.cuda.synchronize(flat.device)
 
     def adopt_weights(self, version: int) -> list[Completion]:
-        self.model.block_weights()  # the copies the matmuls read follow the weights just loaded
+        self.model.drop_blocked()  # the copies the matmuls read are made from these weights before the next step
         self.version = version
         return []
 
@@ -202,10 +203,14 @@ class BuiltinEngine:
         with torch.inference_mode():
             if self.k_cache is None and self.waiting:
                 self.k_cache, self.v_cache = self.model.new_cache(self.max_batch, self.max_len)
+            if self.waiting or self.running:
+                self.model.block_weights()  # once a version (engines/llama.py)
             self._admit()
             finished = self._decode() if self.running else []
             if self.release_when_idle and not (self.running or self.waiting or self.parked):
                 self.k_cache = self.v_cache = None
+                self.model.drop_blocked()  # their memory too, while a synchronous run's trainer takes its step
+                release_free_heap()  # a few MB a matrix: glibc would keep their pages
             return finished
 
     def generate(self, requests: list[Request]) -> list[Completion]:

@@ -82,7 +82,10 @@ class HFForward:
         return dict(self.lm.state_dict(keep_vars=False))
 
     def block_weights(self) -> None:
-        """Nothing to remake: the model reads its parameters as they are (engines/llama.py keeps blocked copies)."""
+        """Nothing to make: the model reads its parameters as they are (engines/llama.py keeps blocked copies)."""
+
+    def drop_blocked(self) -> None:
+        """Nothing to drop (block_weights)."""
 
     def new_cache(self, max_batch: int, max_len: int) -> tuple[SlotCache, None]:
         return SlotCache(max_batch, max_len), None

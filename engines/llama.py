@@ -3,8 +3,8 @@ device: the built-in engine's fast path. Every other causal LM runs on engines/h
 
 Weights are copied out of the Hugging Face model into the engine's own tensors, with q/k/v and
 gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named row views of them,
-so a trainer can `.copy_()` new weights in without knowing about the fusion; `block_weights()` must follow
-(the built-in engine's `adopt_weights` calls it).
+so a trainer can `.copy_()` new weights in without knowing about the fusion; `drop_blocked()` must follow (the
+built-in engine's `adopt_weights` calls it), and the blocked copies are made again before the next decode step.
 """
 from dataclasses import dataclass
 
@@ -110,8 +110,8 @@ class Llama:
         self.layers = [self._load_layer(state, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
         cos, sin = rope_tables(config, self.head_dim, max_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
-        self.blocked: dict[int, torch.Tensor] = {}  # a matrix's data_ptr -> its blocked copy
-        self.block_weights()
+        self.blocks = blocks_weights(device, dtype)  # whether the matmuls read blocked copies (False: F.linear)
+        self.blocked: dict[int, torch.Tensor] = {}  # a matrix's data_ptr -> its blocked copy, made before decoding
 
     def _own(self, state: dict, name: str) -> torch.Tensor:
         # A copy, never an alias: the HF parameters may belong to a trainer that keeps updating them.
@@ -146,14 +146,17 @@ class Llama:
         return dict(self.views)
 
     def block_weights(self) -> None:
-        """(Re)make the blocked copies the matmuls read (`blocks_weights`), after the plain weights changed: about
-        0.1 s for 135M parameters, once a version, against about 10 ms saved on every decode step of 32 rows."""
-        if not blocks_weights(self.device, self.dtype):
-            return
-        matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                                          layer.down)]
-        self.blocked = {}  # the old copies go before the new ones are made: never two sets at once
-        self.blocked = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in matrices}
+        """Make the blocked copies the matmuls read, if this forward keeps them (`blocks`) and they are not made yet:
+        about 0.1 s for 135M parameters, once a version, against about 10 ms saved on every decode step of 32 rows.
+        The built-in engine calls it before decoding."""
+        if self.blocks and not self.blocked:
+            matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                              layer.down)]
+            self.blocked = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in matrices}
+
+    def drop_blocked(self) -> None:
+        """Forget the blocked copies: the weights changed, or an idle engine gives their memory back."""
+        self.blocked = {}
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         blocked = self.blocked.get(weight.data_ptr())

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCT = ("algos", "buffer", "engines", "evaluate.py", "launch", "models", "registry.py", "rewards", "rollout.py",
-           "tasks", "train.py", "trainer", "plot.py", "scripts")
+           "tasks", "train.py", "trainer", "plot.py", "scripts", "heap.py")
 
 
 def _files() -> list[str]:

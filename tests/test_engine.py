@@ -315,8 +315,9 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
 
 def test_bfloat16_matmuls_read_blocked_weights_that_follow_each_new_version(model):
     """On a CPU with native bf16 the fast path's matmuls read oneDNN-blocked copies of its weights
-    (engines/llama.py `block_weights`): the same tokens and logprobs as F.linear on the plain weights, and remade by
-    adopt_weights, so a request after a weight load samples from the new weights exactly as a fresh engine would."""
+    (engines/llama.py `block_weights`): the same tokens and logprobs as F.linear on the plain weights; adopt_weights
+    drops them and the next step makes them again, so a request after a weight load samples from the new weights
+    exactly as a fresh engine would."""
     from engines.llama import blocks_weights
 
     def run(engine):
@@ -324,13 +325,14 @@ def test_bfloat16_matmuls_read_blocked_weights_that_follow_each_new_version(mode
         return [(c.token_ids, c.logprobs) for c in engine.generate(requests)]
 
     engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    blocked = run(engine)
     if not blocks_weights(torch.device("cpu"), torch.bfloat16):
         assert engine.model.blocked == {}  # no AVX-512: F.linear on the plain weights
         pytest.skip("this CPU has no native bf16: the engine keeps F.linear")
     assert len(engine.model.blocked) == 1 + 4 * len(engine.model.layers)
-    blocked = run(engine)
-    engine.model.blocked = {}
-    assert run(engine) == blocked
+    engine.model.drop_blocked()
+    engine.model.blocks = False
+    assert run(engine) == blocked and engine.model.blocked == {}
 
     shifted = LlamaForCausalLM(model.config).eval()
     shifted.load_state_dict(model.state_dict())
@@ -338,9 +340,32 @@ def test_bfloat16_matmuls_read_blocked_weights_that_follow_each_new_version(mode
         for p in shifted.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    assert run(engine) == blocked
     state = shifted.state_dict()
     with torch.no_grad():
         for name, tensor in engine.weight_tensors().items():
             tensor.copy_(state[name])
     engine.adopt_weights(1)
     assert run(engine) == run(BuiltinEngine(shifted, max_batch=2, max_len=48, dtype=torch.bfloat16)) != blocked
+    assert engine.model.blocked
+
+
+def test_an_idle_engine_with_a_large_cache_gives_back_its_blocked_weights_too(model, monkeypatch):
+    """The idle release (BuiltinEngine.IDLE_RELEASE_BYTES) drops the KV cache and the blocked copies, and hands the
+    heap's free pages back; the copies are made again when requests come."""
+    import engines.builtin
+    from engines.llama import blocks_weights
+
+    released = []
+    monkeypatch.setattr(engines.builtin, "release_free_heap", lambda: released.append(1))
+
+    if not blocks_weights(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU has no native bf16: the engine keeps no blocked copies")
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    engine.release_when_idle = True  # as a cache of IDLE_RELEASE_BYTES or more would
+    done = engine.generate([Request(0, [5, 6, 7], SamplingParams(max_new_tokens=4))])
+    assert len(done[0].token_ids) == 4 and engine.k_cache is None and engine.model.blocked == {}
+    assert released == [1]  # and glibc handed their pages back (heap.py): dropped alone, most would stay resident
+    engine.add(Request(1, [5, 6, 7], SamplingParams(max_new_tokens=4)))
+    engine.step()
+    assert engine.k_cache is not None and engine.model.blocked

@@ -45,6 +45,7 @@ RULES = [  # (files, what they must not import)
     ("rewards", ("engines", "trainer", "buffer", "rollout", "launch", "algos")),
     ("envs", ("algos", "trainer", "rollout", "evaluate", "launch", "train") + CONCRETE_ENGINES),
     ("registry.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
+    ("heap.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
     ("launch", CONCRETE_ENGINES[:3] + ("engines.hf",)),  # engines are found by name (engines.ENGINES)
 ]
 

@@ -247,7 +247,7 @@ def test_the_learner_settles_the_default_pass_budget_for_its_device(tiny_model_d
 RELEASE = """
 import ctypes, sys
 sys.path.insert(0, {root!r})
-from trainer.learner import release_free_heap
+from heap import release_free_heap
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -272,9 +272,9 @@ def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os()
     import subprocess
     import sys
 
-    import trainer.learner
+    import heap
 
-    if trainer.learner._MALLOC_TRIM is None:
+    if heap._MALLOC_TRIM is None:
         pytest.skip("not glibc: no malloc_trim")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", RELEASE.format(root=root)], capture_output=True, text=True,

@@ -1,5 +1,4 @@
 """One trainer rank's model, optimizer and loss: `Learner.step(batch)` is one optimizer step."""
-import ctypes
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -9,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import algos
+from heap import release_free_heap
 from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
 from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
@@ -21,28 +21,9 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc (macOS, musl)."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
 # Passes of at least this many padded tokens hand the heap's free pages back first. A default-task pass (about 750
 # tokens) frees little, and faulting its pages in again would slow its short step (docs/benchmarks.md, "Memory").
 HEAP_RELEASE_TOKENS = 1024
-
-
-def release_free_heap() -> None:
-    """Hand the pages of the C heap's free chunks back to the OS. A pass over long rows frees gigabytes of
-    activations in chunks of a few MB that glibc keeps in its heap between live tensors, where the next pass's
-    differently sized ones do not all fit: without this the resident set grows by about 1 GB over a few passes of
-    GSM8K's shape (docs/benchmarks.md, "Memory"). Costs one walk of the free lists and the next pass's first touch
-    of those pages."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True)
