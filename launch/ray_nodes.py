@@ -23,7 +23,6 @@ stopped. With nothing left to generate, the run waits cluster.ray.replace_timeou
 call and collective set-up has a deadline (cluster.ray.call_timeout_s).
 """
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,17 @@ import torch
 from launch.agent import GeneratorAgent, NodeArgs, NodeRun
 from launch.memory import remove_unmapped_semaphores
 from launch.plan import free_port
+from launch.ray_cluster import (
+    ROOT,
+    answers,
+    check_address,
+    first_line,
+    get,
+    import_ray,
+    join_command,
+    kill_ray_below,
+    simulated_cluster,
+)
 
 
 @dataclass
@@ -88,18 +98,18 @@ class RayNodes:
     def start(self, run: NodeRun, shared, engine_slots: int, first_groups: dict[int, int]) -> None:
         """Start (or join) Ray, place one agent per generator node and start forwarding. engine_slots: sequences
         one worker's engine holds; first_groups: where each worker starts (a resumed run)."""
-        ray = _ray(self.cfg)
+        ray = import_ray()
         self.ray, self.shared, self.run = ray, shared, run
         timeout = self.cfg.call_timeout_s
         if self.cfg.address not in ("", "auto"):
-            _answers(self.cfg.address, timeout)  # ray.init would retry a wrong address for minutes
+            check_address(self.cfg.address, timeout)  # ray.init would retry a wrong address for minutes
         if not self.cfg.address:
-            self.cluster = _simulated_cluster(self.cfg)
+            self.cluster = simulated_cluster(self.cfg)
             # Its daemons are this process's children; the reaper kills them if this process dies unannounced.
-            self.reaper = subprocess.Popen([sys.executable, "-m", "launch.reaper", str(os.getpid())], cwd=_root(),
+            self.reaper = subprocess.Popen([sys.executable, "-m", "launch.reaper", str(os.getpid())], cwd=ROOT,
                                            start_new_session=True)
         ray.init(address=self.cluster.address if self.cluster else self.cfg.address, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": _root()}}, logging_level="WARNING",
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}}, logging_level="WARNING",
                  configure_logging=False)
         from ray.util.placement_group import placement_group
 
@@ -108,12 +118,12 @@ class RayNodes:
         bundles = [{"CPU": trainer.cores, "node:__internal_head__": 0.001}] + \
                   [{"CPU": self.cfg.nodes[n.index].cores} for n in self.nodes]
         self.pg = placement_group(bundles, strategy="STRICT_SPREAD")
-        _get(ray, self.pg.ready(), timeout, "the placement group of cluster.ray.nodes (are the nodes up, with "
+        get(ray, self.pg.ready(), timeout, "the placement group of cluster.ray.nodes (are the nodes up, with "
                                             "the cores asked for?)")
         for node in self.nodes:
             node.capacity = len(node.worker_ids) * max(1, engine_slots // run.cfg.rollout.group_size)
             self._place(node, tuple(first_groups.get(w, 0) for w in node.worker_ids))
-        ready = _get(ray, [n.agent.ready.remote() for n in self.nodes], timeout, "the generator nodes' agents")
+        ready = get(ray, [n.agent.ready.remote() for n in self.nodes], timeout, "the generator nodes' agents")
         for node, node_id in zip(self.nodes, ready):
             node.node_id = node_id
         self._join_weights()
@@ -151,7 +161,7 @@ class RayNodes:
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=len(live) + 1,
                                 timeout=timedelta(seconds=timeout))
         self.group = dist.group.WORLD
-        _get(self.ray, joins, timeout, "the weight broadcast's gloo group")
+        get(self.ray, joins, timeout, "the weight broadcast's gloo group")
         self.version = -1
 
     def _forward(self) -> None:
@@ -161,14 +171,14 @@ class RayNodes:
         while not (self.done.is_set() or shared.rollouts_over()):
             if time.monotonic() >= next_probe:  # the trainer node's Ray gone while this launcher lives: stop
                 next_probe = time.monotonic() + self.cfg.health_check_period_s
-                if not self._head_answers():
+                if not answers(self.gcs):
                     return self._lose_head()
             moved = 0
             for node in [n for n in self.nodes if not n.lost]:
                 try:
                     moved += self._exchange(node)
                 except Exception as e:  # a lost node, a dead agent, a call past its deadline
-                    if not self._head_answers():  # not the node: the head (Ray's node table is gone with it)
+                    if not answers(self.gcs):  # not the node: the head (Ray's node table is gone with it)
                         return self._lose_head()
                     self._failed(node, e)
             if self.regroup and not self.done.is_set():  # before any broadcast: the old group has a dead peer
@@ -176,14 +186,14 @@ class RayNodes:
                 try:
                     self._join_weights()
                 except Exception as e:
-                    print(f"warning: the weight broadcast's group did not form ({_line(e)}); retrying",
+                    print(f"warning: the weight broadcast's group did not form ({first_line(e)}); retrying",
                           file=sys.stderr)
                     self.regroup = True
             try:
                 if not self.regroup:
                     self._send_weights()
             except Exception as e:  # a peer gone mid-broadcast: its next exchange fails, and the group is rebuilt
-                print(f"warning: the weight broadcast failed ({_line(e)}); retrying after the next exchange",
+                print(f"warning: the weight broadcast failed ({first_line(e)}); retrying after the next exchange",
                       file=sys.stderr)
                 self.regroup = True
             if any(n.lost for n in self.nodes) and time.monotonic() >= next_replace:
@@ -218,18 +228,6 @@ class RayNodes:
                       "folder> continues from its last checkpoint")
         self.shared.stop.set()
 
-    def _head_answers(self) -> bool:
-        """Whether the head's GCS accepts a connection (twice refused, a second apart: gone)."""
-        host, _, port = self.gcs.rpartition(":")
-        for attempt in range(2):
-            try:
-                socket.create_connection((host, int(port)), timeout=2.0).close()
-                return True
-            except OSError:
-                if attempt == 0:
-                    time.sleep(1.0)
-        return False
-
     def _exchange(self, node: Node) -> int:
         shared, ray = self.shared, self.ray
         grant = 0
@@ -238,7 +236,7 @@ class RayNodes:
         node.leased += grant
         room = min(self.cfg.forward_groups, sum(shared.ring.free_slots(w) for w in node.worker_ids))
         start = time.perf_counter()
-        answer = _get(ray, node.agent.exchange.remote(grant, room, 0.05 if room else 0.0),
+        answer = get(ray, node.agent.exchange.remote(grant, room, 0.05 if room else 0.0),
                       self.cfg.call_timeout_s, f"generator node {node.index}")
         if answer.error:
             raise RuntimeError(answer.error)
@@ -270,7 +268,7 @@ class RayNodes:
         calls = [n.agent.receive_weights.remote(version) for n in live]
         for buffer in self._copies:
             dist.broadcast(buffer, src=0)
-        _get(self.ray, calls, self.cfg.call_timeout_s, "the weight broadcast")
+        get(self.ray, calls, self.cfg.call_timeout_s, "the weight broadcast")
         self.broadcast_s.append(time.perf_counter() - start)
         self.version = version
 
@@ -295,13 +293,13 @@ class RayNodes:
         self.regroup = True
         if self._node_alive(node) and node.counts.restarts < self.run.cfg.cluster.max_restarts:
             node.counts.restarts += 1
-            print(f"warning: generator node {node.index}'s agent failed ({_line(error)}); restarting it "
+            print(f"warning: generator node {node.index}'s agent failed ({first_line(error)}); restarting it "
                   f"({node.counts.restarts}/{self.run.cfg.cluster.max_restarts}), {max(undelivered, 0)} groups lost",
                   file=sys.stderr)
             try:
                 rows = counters.rows(node.worker_ids)
                 self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids), rows)
-                node.node_id = _get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
+                node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
                                     f"generator node {node.index}'s new agent")
                 return
             except Exception as e:
@@ -309,8 +307,8 @@ class RayNodes:
         node.lost = True
         if self.cluster is not None:  # a simulated node, on this machine: what its killed processes left
             remove_unmapped_semaphores()
-        print(f"warning: generator node {node.index} lost ({_line(error)}); {max(undelivered, 0)} groups leased "
-              f"to it and not delivered handed back; going on without it until a machine replaces it "
+        print(f"warning: generator node {node.index} lost ({first_line(error)}); {max(undelivered, 0)} groups "
+              f"leased to it and not delivered handed back; going on without it until a machine replaces it "
               f"({self.join_command()})", file=sys.stderr)
 
     def _node_alive(self, node: Node) -> bool:
@@ -338,10 +336,10 @@ class RayNodes:
         try:
             self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids),
                         counters.rows(node.worker_ids))
-            node.node_id = _get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
+            node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
                                 f"generator node {node.index}'s replacement")
         except Exception as e:
-            print(f"warning: generator node {node.index}'s replacement did not start ({_line(e)}); waiting for "
+            print(f"warning: generator node {node.index}'s replacement did not start ({first_line(e)}); waiting for "
                   "another", file=sys.stderr)
             try:
                 self.ray.kill(node.agent)
@@ -357,12 +355,7 @@ class RayNodes:
 
     def join_command(self) -> str:
         """How a machine joins this cluster as a generator node."""
-        cores = max(self.cfg.nodes[n.index].cores for n in self.nodes)
-        if self.cluster is None:
-            return f"ray start --address={self.gcs} --num-cpus={cores}"
-        # a simulated cluster, on the loopback, which `ray start` cannot join (scripts/ray_join.py says why)
-        return (f"python -m scripts.ray_join --address={self.cluster.address} --num-cpus={cores} "
-                f"--object-store-memory={self.cfg.object_store_mb * 2**20}")
+        return join_command(self.cfg, self.cluster.address if self.cluster else self.gcs, self.cluster is not None)
 
     def _publish_counts(self) -> None:
         """The nodes' counts where trainer rank 0 reads them for its metrics rows (launch.shared.NodeCounters)."""
@@ -397,7 +390,7 @@ class RayNodes:
             self.thread.join(timeout=self.cfg.call_timeout_s)
         ray = getattr(self, "ray", None)
         if self.head_lost and self.cluster is not None:  # no Ray call can succeed: end the simulated nodes here
-            _kill_ray_below(os.getpid())
+            kill_ray_below(os.getpid())
             self.cluster = None
             remove_unmapped_semaphores()
         elif ray is not None and ray.is_initialized():
@@ -432,74 +425,3 @@ class RayNodes:
             self.reaper.terminate()
             self.reaper.wait(timeout=30)
             self.reaper = None
-
-
-def _kill_ray_below(root: int) -> None:
-    """Kill every Ray process in `root`'s tree (a simulated cluster's daemons and workers), and wait for them."""
-    from launch.reaper import kill_and_wait, tree
-
-    def is_ray(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except OSError:
-            return False
-        return cmd.startswith("ray::") or "/ray/" in cmd
-
-    kill_and_wait({pid: start for pid, start in tree(root).items() if is_ray(pid)})
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ray(ray_cfg):
-    """Import Ray (an optional extra), on loopback where the cluster is simulated: without these, ray.init picks the
-    machine's own interface and retries for minutes."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("cluster=ray needs Ray: pip install -r requirements-ray.txt") from None
-    return ray
-
-
-def _simulated_cluster(ray_cfg):
-    """Every node of cluster.ray.nodes as a Ray node on this machine: the trainer node as the head."""
-    from ray.cluster_utils import Cluster
-
-    store = ray_cfg.object_store_mb * 2**20
-    period_ms = int(ray_cfg.health_check_period_s * 1000)
-    head, *others = sorted(ray_cfg.nodes, key=lambda n: n.role != "trainer")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=head.cores, object_store_memory=store, node_ip_address="127.0.0.1", include_dashboard=False,
-        _system_config={"health_check_period_ms": period_ms, "health_check_failure_threshold": 3}))
-    for node in others:
-        cluster.add_node(num_cpus=node.cores, object_store_memory=store, node_ip_address="127.0.0.1")
-    return cluster
-
-
-def _answers(address: str, timeout: float) -> None:
-    """Refuse, in one line, a cluster.ray.address where nothing listens."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"cluster.ray.address={address!r} must be HOST:PORT of a Ray head, auto, or empty")
-    try:
-        socket.create_connection((host, int(port)), timeout=min(timeout, 10.0)).close()
-    except OSError as e:
-        raise TimeoutError(f"cluster.ray.address={address}: nothing answers there ({e.strerror or e}); start Ray "
-                           f"there with `ray start --head --port={port}`, or leave the address empty to simulate "
-                           "the nodes on this machine") from None
-
-
-def _line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-
-
-def _get(ray, refs, timeout: float, what: str):
-    """ray.get with a deadline (without one it waits forever and ignores signals); a one-line error naming `what`."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"{what} did not answer within {timeout:g} s (cluster.ray.call_timeout_s)") from None
