@@ -61,6 +61,22 @@ def test_an_address_where_no_ray_answers_is_one_line(tiny_model_dir, tmp_path):
         "error: cluster.ray.address=127.0.0.1:1: nothing answers there (Connection refused); start Ray there with")
 
 
+def test_the_join_command_fits_the_cluster_and_a_negative_wait_is_refused():
+    """What the lost-node warnings tell a user to run: `ray start` for a real cluster, with the generator nodes'
+    cores; scripts/ray_join.py for a simulated one (on the loopback, which `ray start` cannot join)."""
+    from launch.ray_cluster import join_command
+    from launch.schema import RayConfig, RayNode
+
+    cfg = RayConfig(enabled=True, object_store_mb=128, nodes=[RayNode("trainer", 4, 0, 0, 1), RayNode(cores=2),
+                                                              RayNode(cores=8, rollout_workers=2)])
+    assert join_command(cfg, "10.0.0.1:6379", simulated=False) == "ray start --address=10.0.0.1:6379 --num-cpus=8"
+    assert join_command(cfg, "127.0.0.1:5000", simulated=True) == (
+        f"python -m scripts.ray_join --address=127.0.0.1:5000 --num-cpus=8 --object-store-memory={128 * 2**20}")
+    cfg.replace_timeout_s = -1
+    with pytest.raises(ValueError, match="cluster.ray.replace_timeout_s"):
+        cfg.check()
+
+
 @pytest.mark.slow
 def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
