@@ -297,10 +297,7 @@ class RayNodes:
                   f"({node.counts.restarts}/{self.run.cfg.cluster.max_restarts}), {max(undelivered, 0)} groups lost",
                   file=sys.stderr)
             try:
-                rows = counters.rows(node.worker_ids)
-                self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids), rows)
-                node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
-                                    f"generator node {node.index}'s new agent")
+                self._take_over(node, "new agent")
                 return
             except Exception as e:
                 error = e
@@ -310,6 +307,14 @@ class RayNodes:
         print(f"warning: generator node {node.index} lost ({first_line(error)}); {max(undelivered, 0)} groups "
               f"leased to it and not delivered handed back; going on without it until a machine replaces it "
               f"({self.join_command()})", file=sys.stderr)
+
+    def _take_over(self, node: Node, what: str) -> None:
+        """A new agent for `node` in its bundle, its workers starting where the last exchange saw them and their
+        counters carried on; returns once it is up (its machine's id noted)."""
+        counters = self.shared.counters
+        self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids), counters.rows(node.worker_ids))
+        node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
+                           f"generator node {node.index}'s {what}")
 
     def _node_alive(self, node: Node) -> bool:
         """Whether the machine `node`'s agent ran on is still in the cluster, once Ray's health checks (3 missed)
@@ -332,12 +337,8 @@ class RayNodes:
         where = table.get("bundles_to_node_id", {}).get(bundle)
         if table.get("state") != "CREATED" or not where or where == node.node_id:
             return
-        counters = self.shared.counters
         try:
-            self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids),
-                        counters.rows(node.worker_ids))
-            node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
-                                f"generator node {node.index}'s replacement")
+            self._take_over(node, "replacement")
         except Exception as e:
             print(f"warning: generator node {node.index}'s replacement did not start ({first_line(e)}); waiting for "
                   "another", file=sys.stderr)
