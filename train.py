@@ -98,6 +98,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from trainer.learner import Rank
     from trainer.loop import TrainerArgs
     from trainer.loop import run as run_learner
+    from trainer.peak import learner_peak
 
     task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
@@ -143,6 +144,9 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
                      multi_turn=task.env is not None)
     slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, rollout.group_size, rollout.max_batch)
     engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype) for w in range(workers)]
+    # perf/learner_mfu's CPU peak, measured while nothing else computes (a GPU's: by its trainer rank)
+    device = plan.placement(0).device
+    peak = learner_peak(device, cfg.train.autocast, cores.most("trainer")) if device.type == "cpu" else None
     port = free_port()
     start = time.time()
     error = None
@@ -186,7 +190,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         plan.wait_for_engines(shared.weights, sup)
         for r in range(plan.trainer_ranks):
             args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), lanes, cfg, setup, evaluator,
-                               shared, progress=cfg.progress and r == 0)
+                               shared, progress=cfg.progress and r == 0, peak=peak)
             sup.start(f"trainer-{r}", run_learner, dict(args=args), cores.trainer_threads(alone=False), essential=True)
         error = sup.watch(on_failure=restart_worker)
         if nodes is not None and nodes.error:  # the trainer stopped because nothing was left to generate

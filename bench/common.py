@@ -26,6 +26,24 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 * repeats / (time.perf_counter() - start)
 
 
+def bench_dtypes(choice: str) -> list[str]:
+    """`--dtypes`: `auto` is fp32, and bf16 where this CPU computes it natively (AVX-512; launch/plan.py): without
+    it a bf16 matmul takes a generic loop about 100x slower than fp32, and a bench in bf16 would run for hours. Else
+    a comma-separated list of fp32 and bf16, run as asked."""
+    from launch.plan import native_bf16
+
+    if choice == "auto":
+        if native_bf16("cpu"):
+            return ["fp32", "bf16"]
+        print("this CPU has no native bf16 (no AVX-512): fp32 only, the precision a run picks here "
+              "(--dtypes fp32,bf16 forces bf16)")
+        return ["fp32"]
+    dtypes = choice.split(",")
+    if not dtypes or not set(dtypes) <= {"fp32", "bf16"}:
+        sys.exit(f"error: --dtypes {choice!r}: write auto, fp32, bf16 or fp32,bf16")
+    return dtypes
+
+
 def model_matmul_flops(config, tokens: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """FLOP/s of the matmuls one training step of this model does ([tokens, d] by each projection: forward,
     input gradient, weight gradient), timed one shape at a time: the most a step could reach if everything

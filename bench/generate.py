@@ -1,6 +1,7 @@
 """The built-in CPU engine against Hugging Face `generate`: same model, prompts, budget and sampling.
 
     python -m bench.generate [--sequences 64] [--requests 256] [--new-tokens 16] [--ignore-eos] [--threads 2]
+                             [--dtypes auto|fp32|bf16|fp32,bf16]
     python -m bench.generate --new-tokens 256 --ignore-eos      # the long-completion shape
     python -m bench.generate --fallback
 
@@ -14,7 +15,8 @@ Prints tokens/s of both in fp32 and bf16 and the engine against two limits measu
 matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt: prefill is work too) and memory
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
 over the measured copy bandwidth, times the sequences a step decodes); the engine's fraction of the lower one is
-`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16). Where the bf16 engine's
+`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
+bf16, where `--dtypes` defaults to fp32 alone). Where the bf16 engine's
 matmuls read oneDNN-blocked weights (a CPU with AVX-512, engines/llama.py `blocks_weights`), it also runs on the
 plain weights, the same requests, and prints `blocked_vs_plain=<ratio>`.
 `--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from bench.common import copy_bandwidth, load, matmul_peak_flops, task_prompts
+from bench.common import bench_dtypes, copy_bandwidth, load, matmul_peak_flops, task_prompts
 from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.llama import blocks_weights
@@ -93,6 +95,8 @@ def main():
     parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --new-tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fallback", action="store_true", help="fast path vs fallback, fp32")
+    parser.add_argument("--dtypes", default="auto",
+                        help="fp32, bf16 or both; auto: bf16 too where the CPU has it natively")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load()
@@ -110,7 +114,7 @@ def main():
     engine_blocks = blocks_weights(torch.device("cpu"), torch.bfloat16)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
         peak = matmul_peak_flops(dtype)
         engine_tokens, engine_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos, dtype,
                                              slots=args.sequences)

@@ -1,6 +1,6 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
-    python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes fp32,bf16]
+    python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
                                [--attention auto|segments|dense|both]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
@@ -9,7 +9,8 @@ at most 4096 padded tokens, train.micro_tokens' default). MFU = 6 x parameters x
 peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
 model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
 bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
-`mfu=<fraction>` (bf16 autocast, against the square-matmul peak). `--compile` also measures bf16 with
+`mfu=<fraction>` (bf16 autocast, against the square-matmul peak; fp32 on a CPU without native bf16, where `--dtypes`
+defaults to fp32 alone). `--compile` also measures bf16 with
 `train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and casts
 around the matmuls), prints its compile time and its speed against eager bf16 in the same run. `--attention`: how
 packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or more per segment, the
@@ -19,7 +20,6 @@ per segment and dense and ends with `segments_vs_dense=<dense s/step over segmen
 """
 import argparse
 import socket
-import sys
 import time
 
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import algos
 import trainer.attention
-from bench.common import matmul_peak_flops, model_matmul_flops, task_prompts
+from bench.common import bench_dtypes, matmul_peak_flops, model_matmul_flops, task_prompts
 from buffer.ring import Group
 from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
@@ -73,7 +73,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--algo", default="grpo")
     parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="which of fp32 and bf16 (autocast) to measure")
+    parser.add_argument("--dtypes", default="auto",
+                        help="fp32, bf16 (autocast) or both; auto: bf16 too where the CPU has it natively")
     parser.add_argument("--attention", default="auto", choices=["auto", "segments", "dense", "both"],
                         help="rows: as the trainer, one call per segment, the dense mask, or both (compared)")
     parser.add_argument("--completion-len", type=int, default=16,
@@ -89,9 +90,7 @@ def main():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= {"fp32", "bf16"}:
-        sys.exit(f"error: --dtypes {args.dtypes!r}: write fp32, bf16 or fp32,bf16")
+    dtypes = bench_dtypes(args.dtypes)
     cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
     ways = ["segments", "dense"] if args.attention == "both" else [args.attention]
@@ -115,7 +114,7 @@ def main():
         if compiled:
             print(f"compiled vs eager bf16: {seconds_by / seconds:.2f}x")
         elif way == ways[0]:
-            mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16, the default run's learner
+            mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16 (fp32 without it), as a run
     dist.destroy_process_group()
     if mfu is not None:
         print(f"mfu={mfu:.3f}")

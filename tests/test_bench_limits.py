@@ -33,3 +33,15 @@ def test_slots_fewer_than_prompts_read_the_cache_of_the_slots_only():
     assert compute == pytest.approx(4e6 / 2000 * 160 / (160 + 40))  # a repeated prompt is prefilled once
     kv_per_token = 2 * 2 * 1 * 4 * 2
     assert memory == pytest.approx(2 * 1e6 / (1000 * 2 + 2 * 30 * kv_per_token))  # as 2 prompts in 2 slots
+
+
+@pytest.mark.parametrize("native, expected", [(True, ["fp32", "bf16"]), (False, ["fp32"])])
+def test_the_benches_run_bf16_only_where_the_cpu_has_it_unless_asked(monkeypatch, native, expected):
+    import launch.plan
+    from bench.common import bench_dtypes
+
+    monkeypatch.setattr(launch.plan, "native_bf16", lambda plan: native)
+    assert bench_dtypes("auto") == expected
+    assert bench_dtypes("fp32,bf16") == ["fp32", "bf16"]  # asked for: run as asked
+    with pytest.raises(SystemExit, match="--dtypes 'fp16'"):
+        bench_dtypes("fp16")

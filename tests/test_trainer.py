@@ -202,14 +202,19 @@ def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir)
         assert torch.allclose(value, ckpt[name], atol=1e-6), name
 
 
-def test_learner_mfu_is_model_flops_over_the_peak_of_the_step_s_threads():
-    from trainer.peak import learner_mfu, learner_peak
+def test_learner_mfu_is_model_flops_over_the_peak_at_the_step_s_threads():
+    from trainer.peak import Peak, cpu_peak, learner_mfu
 
-    # 6 x 100 params x 50 tokens in 2 s = 15,000 FLOP/s, against 1,000 FLOP/s a thread x 2.5 threads x 2 ranks
-    assert learner_mfu(100, 50, 2.0, 1000.0, 2.5, 2) == pytest.approx(15000 / 5000)
+    peak = Peak(((1, 1000.0), (4, 2500.0)))
+    assert peak.at(1) == 1000.0 and peak.at(4) == 2500.0
+    assert peak.at(2.5) == pytest.approx(1750.0)  # between two measured counts: linear
+    assert peak.at(0.5) == 500.0 and peak.at(8) == 5000.0  # outside them: proportional to the threads
+    # 6 x 100 params x 50 tokens in 2 s = 15,000 FLOP/s, against 1,750 FLOP/s at 2.5 threads x 2 ranks
+    assert learner_mfu(100, 50, 2.0, peak, 2.5, 2) == pytest.approx(15000 / 3500)
     threads = torch.get_num_threads()
-    peak = learner_peak(torch.device("cpu"), "none")
-    assert 1e8 < peak < 1e13 and torch.get_num_threads() == threads  # one thread's fp32 rate, the count restored
+    measured = cpu_peak(torch.float32, 2, budget_s=0.02)
+    assert [count for count, _ in measured.rates] == [1, 2] and torch.get_num_threads() == threads
+    assert all(1e8 < rate < 1e13 for _, rate in measured.rates)
 
 
 def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass(tiny_model_dir, monkeypatch):

@@ -19,7 +19,7 @@ from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
-from trainer.peak import learner_mfu, learner_peak
+from trainer.peak import Peak, learner_mfu, learner_peak
 from trainer.policy import decoder_layers
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class TrainerArgs:
     evaluator: "Evaluator"  # how rank 0 evaluates the version it just published (the plan's)
     shared: Shared
     progress: bool = False  # this rank draws the console's progress bar
+    peak: Peak | None = None  # the matmul peak perf/learner_mfu divides by, measured by the launcher on a quiet CPU
 
 
 def run(args: TrainerArgs) -> None:
@@ -110,9 +111,11 @@ class _Loop:
         cores = self.shared.cores
         if cores is not None and cores.moves_in_step and not cfg.train.compile:  # a compiled stack takes no hooks
             follow_workers(decoder_layers(learner.policy.lm), cores, self.threads)
-        # rank 0's row: the step's model FLOPs utilisation against a matmul peak measured here, before the clock
+        # rank 0's row: the step's model FLOPs utilisation against a matmul peak; a GPU's measured here, before the
+        # clock, a CPU's by the launcher before any process computed (measured here it would share the cores)
         self.params = sum(p.numel() for p in learner.policy.parameters())
-        self.peak = learner_peak(learner.device, learner.train.autocast) if self.lead else 0.0
+        self.peak = (args.peak or learner_peak(learner.device, learner.train.autocast, torch.get_num_threads())) \
+            if self.lead else None
         self.start = time.time() - elapsed
         self.last_row = (self.start, 0)  # rank 0: (time, tokens generated so far) at the last row
 
