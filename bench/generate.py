@@ -16,9 +16,9 @@ matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
 over the measured copy bandwidth, times the sequences a step decodes); the engine's fraction of the lower one is
 `engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
-bf16, where `--dtypes` defaults to fp32 alone). Where the bf16 engine's
-matmuls read oneDNN-blocked weights (a CPU with AVX-512, engines/llama.py `blocks_weights`), it also runs on the
-plain weights, the same requests, and prints `blocked_vs_plain=<ratio>`.
+bf16, where `--dtypes` defaults to fp32 alone). Where the engine's
+matmuls read oneDNN-blocked weights (bf16 with AVX-512, fp32 with AVX2 only: engines/llama.py `blocks_weights`), it
+also runs on the plain weights, the same requests, and prints `blocked_vs_plain=<ratio>`.
 `--fallback`: fp32 only, the engine's fast path against its fallback (engines/hf.py, the model's own forward)
 on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
 """
@@ -54,7 +54,7 @@ def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, pe
 def run_engine(model, prompts, new_tokens, eos, dtype, fallback: bool = False, slots: int = 0,
                plain: bool = False) -> tuple[int, float]:
     """Tokens generated and seconds: `prompts` through `slots` engine slots (default: one each); eos None: none stop
-    early. `plain`: the matmuls read the plain weights (F.linear), not the blocked copies a bf16 CPU engine keeps."""
+    early. `plain`: the matmuls read the plain weights (F.linear), not the blocked copies a CPU engine may keep."""
     engine = BuiltinEngine(model, max_batch=slots or len(prompts), max_len=max(map(len, prompts)) + new_tokens,
                            seed=0, dtype=dtype, fallback=fallback)
     if plain:
@@ -111,7 +111,6 @@ def main():
     if args.fallback:
         return compare_paths(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos)
     ratio = at = None
-    engine_blocks = blocks_weights(torch.device("cpu"), torch.bfloat16)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
@@ -128,7 +127,7 @@ def main():
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
               f"tok/s -> engine_at={at:.0%} of the lower")
-        if dtype == torch.bfloat16 and engine_blocks:
+        if blocks_weights(torch.device("cpu"), dtype):
             plain_tokens, plain_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos,
                                                dtype, slots=args.sequences, plain=True)
             blocked_vs_plain = engine_tps / (plain_tokens / plain_s)

@@ -53,12 +53,17 @@ def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torc
 
 
 def blocks_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the matmuls read oneDNN-blocked copies of the weights: bf16 on a CPU with AVX-512 (native bf16). There
-    the blocked matmul gives the same bits as F.linear on the plain weight, about 1.4x faster at decode's 32-64 rows
-    alone. fp32's blocked results differ from F.linear's in the last bits, so fp32 keeps F.linear, as does bf16
-    without AVX-512 (not measured there)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    """Whether the matmuls read oneDNN-blocked copies of the weights, at decode's few rows faster than F.linear:
+    - bf16 on a CPU with AVX-512 (native bf16): about 1.4x at 32-64 rows, the same bits as F.linear;
+    - fp32 on a CPU with AVX2 and no AVX-512: 1.3-2.5x per matmul at 32-64 rows against MKL's F.linear (the output
+      head most), 1.28x in bench.generate, on a 2-core AMD EPYC. The last bits differ from F.linear's, as far apart as
+      two fp32 matmuls can be; the engine-trainer mismatch stays at fp32's (docs/benchmarks.md).
+    fp32 with AVX-512 keeps F.linear (not measured there), as does bf16 without it."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (dtype == torch.bfloat16 and capability.startswith("AVX512")) or \
+        (dtype == torch.float32 and capability == "AVX2")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -313,40 +313,49 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
         assert engine.k_cache is None and engine.v_cache is None
 
 
-def test_bfloat16_matmuls_read_blocked_weights_that_follow_each_new_version(model):
-    """On a CPU with native bf16 the fast path's matmuls read oneDNN-blocked copies of its weights
-    (engines/llama.py `block_weights`): the same tokens and logprobs as F.linear on the plain weights; adopt_weights
-    drops them and the next step makes them again, so a request after a weight load samples from the new weights
-    exactly as a fresh engine would."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmuls_read_blocked_weights_that_follow_each_new_version(model, dtype):
+    """Where engines/llama.py `blocks_weights` says so (bf16 with AVX-512, fp32 with AVX2 only), the fast path's
+    matmuls read oneDNN-blocked copies of its weights: in bf16 the same tokens and logprobs as F.linear on the plain
+    weights, in fp32 the same tokens and logprobs within fp32's rounding. adopt_weights drops the copies and the next
+    step makes them again, so a request after a weight load samples from the new weights exactly as a fresh engine
+    would."""
     from engines.llama import blocks_weights
 
     def run(engine):
         requests = [Request(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(random_prompts([6, 15, 9]))]
         return [(c.token_ids, c.logprobs) for c in engine.generate(requests)]
 
-    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=dtype)
     blocked = run(engine)
-    if not blocks_weights(torch.device("cpu"), torch.bfloat16):
-        assert engine.model.blocked == {}  # no AVX-512: F.linear on the plain weights
-        pytest.skip("this CPU has no native bf16: the engine keeps F.linear")
+    if not blocks_weights(torch.device("cpu"), dtype):
+        assert engine.model.blocked == {}  # F.linear on the plain weights
+        pytest.skip(f"this CPU keeps F.linear for {dtype}")
     assert len(engine.model.blocked) == 1 + 4 * len(engine.model.layers)
     engine.model.drop_blocked()
     engine.model.blocks = False
-    assert run(engine) == blocked and engine.model.blocked == {}
+    plain = run(engine)
+    assert engine.model.blocked == {}
+    if dtype == torch.bfloat16:
+        assert plain == blocked
+    else:
+        assert [tokens for tokens, _ in plain] == [tokens for tokens, _ in blocked]
+        for (_, a), (_, b) in zip(plain, blocked):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
     shifted = LlamaForCausalLM(model.config).eval()
     shifted.load_state_dict(model.state_dict())
     with torch.no_grad():
         for p in shifted.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=dtype)
     assert run(engine) == blocked
     state = shifted.state_dict()
     with torch.no_grad():
         for name, tensor in engine.weight_tensors().items():
             tensor.copy_(state[name])
     engine.adopt_weights(1)
-    assert run(engine) == run(BuiltinEngine(shifted, max_batch=2, max_len=48, dtype=torch.bfloat16)) != blocked
+    assert run(engine) == run(BuiltinEngine(shifted, max_batch=2, max_len=48, dtype=dtype)) != blocked
     assert engine.model.blocked
 
 
@@ -359,9 +368,10 @@ def test_an_idle_engine_with_a_large_cache_gives_back_its_blocked_weights_too(mo
     released = []
     monkeypatch.setattr(engines.builtin, "release_free_heap", lambda: released.append(1))
 
-    if not blocks_weights(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("this CPU has no native bf16: the engine keeps no blocked copies")
-    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
+    dtype = next((d for d in (torch.bfloat16, torch.float32) if blocks_weights(torch.device("cpu"), d)), None)
+    if dtype is None:
+        pytest.skip("this CPU keeps F.linear in both precisions: the engine keeps no blocked copies")
+    engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=dtype)
     engine.release_when_idle = True  # as a cache of IDLE_RELEASE_BYTES or more would
     done = engine.generate([Request(0, [5, 6, 7], SamplingParams(max_new_tokens=4))])
     assert len(done[0].token_ids) == 4 and engine.k_cache is None and engine.model.blocked == {}
