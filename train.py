@@ -210,7 +210,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         if nodes is not None:
             nodes.close()
         counts = {**_launcher_counts(shared.counters), **(nodes.metrics() if nodes else {})}
-        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts)
+        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each)
         draw_curves(run_dir)
     return error
 

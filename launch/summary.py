@@ -54,9 +54,11 @@ def completed(run_dir: str, steps: int) -> bool:
     return summary.get("status") == "completed" and summary.get("steps") == steps
 
 
-def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, peak_parts: dict | None = None):
+def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, peak_parts: dict | None = None,
+                  peak_each: dict | None = None):
     """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's own
-    counters, read after every process stopped); `peak_parts`: the peak's split by process."""
+    counters, read after every process stopped); `peak_parts`: the peak's split by process; `peak_each`: each
+    process's own peak."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -79,6 +81,8 @@ def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, pe
         "peak_memory_mb": round(peak_mb),
         # ... and its split at that moment: the launcher, each trainer rank and rollout worker (with its children)
         "peak_memory_by_process_mb": {name: round(mb) for name, mb in sorted((peak_parts or {}).items())},
+        # ... and each process's own peak, whenever it came (a rollout worker's need not fall at the total's)
+        "peak_memory_each_process_mb": {name: round(mb) for name, mb in sorted((peak_each or {}).items())},
         "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
         **(counts or {}),

@@ -116,6 +116,7 @@ class Supervisor:
         # takes no more than 1/20 of the launcher's time.
         self.peak_mb = 0.0
         self.peak_parts: dict[str, float] = {}  # that total's split by process (launch/memory.py) when it peaked
+        self.peak_each: dict[str, float] = {}  # each process's own largest share, whenever it came
         self._next_sample = 0.0
 
     def start(self, name: str, target, kwargs: dict, threads: int, essential: bool = False) -> None:
@@ -213,6 +214,8 @@ class Supervisor:
         total = sum(parts.values())
         if total > self.peak_mb:
             self.peak_mb, self.peak_parts = total, parts
+        for name, mb in parts.items():
+            self.peak_each[name] = max(mb, self.peak_each.get(name, 0.0))
         self._next_sample = now + max(1.0, 20 * (time.monotonic() - now))
 
     def _describe(self, name: str, exitcode: int) -> str:

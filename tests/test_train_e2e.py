@@ -38,6 +38,9 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert "time_to_reward_0.8" in summary and "step_to_reward_0.9" in summary
     # the whole run's memory: more than one process's worth, less than the machine
     assert 0 < summary["peak_memory_mb"] < 24 * 1024
+    # each process's own peak, never below its share when the total peaked
+    each, at_peak = summary["peak_memory_each_process_mb"], summary["peak_memory_by_process_mb"]
+    assert {"trainer-0", "rollout-0"} <= set(each) and all(each[name] >= mb for name, mb in at_peak.items())
     assert shm_files() <= before
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
