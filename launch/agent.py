@@ -125,8 +125,13 @@ class GeneratorAgent:
         if self.group is not None:
             dist.destroy_process_group()
             self.group = None
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        import ray
+
+        from launch.ray_cluster import gloo_on
+
+        with gloo_on(ray.util.get_node_ip_address()):  # this machine's address, where the trainer node reaches it
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
         self.group = dist.group.WORLD
 
     def receive_weights(self, version: int) -> float:

@@ -2,8 +2,11 @@
 cluster on this machine and what it leaves, the address checks, the command that joins a machine, and the
 deadline-bound `ray.get` every call goes through.
 """
+import contextlib
+import fcntl
 import os
 import socket
+import struct
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +37,36 @@ def simulated_cluster(ray_cfg):
     for node in others:
         cluster.add_node(num_cpus=node.cores, object_store_memory=store, node_ip_address="127.0.0.1")
     return cluster
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 `address`, None if none does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                found = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(found[20:24]) == address:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_on(address: str):
+    """Within it, a gloo group this process joins listens on the interface of `address` (this node's Ray address),
+    unless GLOO_SOCKET_IFNAME says otherwise: by default gloo takes what the hostname resolves to, which on many
+    machines (a container's 127.0.0.1, Debian's 127.0.1.1) is the loopback, where no other machine reaches it, and
+    the group's init ends in a connect timeout."""
+    loopback = address.startswith("127.")  # a simulated cluster: every peer is on this machine
+    name = None if loopback or os.environ.get("GLOO_SOCKET_IFNAME") else interface_of(address)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # read when the group is made; the process's other groups keep theirs
+    try:
+        yield
+    finally:
+        if name:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def kill_ray_below(root: int) -> None:

@@ -42,6 +42,7 @@ from launch.ray_cluster import (
     check_address,
     first_line,
     get,
+    gloo_on,
     import_ray,
     join_command,
     kill_ray_below,
@@ -158,8 +159,9 @@ class RayNodes:
         address = "127.0.0.1" if self.cluster else self.ray.util.get_node_ip_address()
         init = f"tcp://{address}:{free_port()}"
         joins = [n.agent.join_weights.remote(init, rank, len(live) + 1, timeout) for rank, n in enumerate(live, 1)]
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=len(live) + 1,
-                                timeout=timedelta(seconds=timeout))
+        with gloo_on(address):
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=len(live) + 1,
+                                    timeout=timedelta(seconds=timeout))
         self.group = dist.group.WORLD
         get(self.ray, joins, timeout, "the weight broadcast's gloo group")
         self.version = -1

@@ -3,6 +3,7 @@ node and a generator node whose groups are forwarded to it. Needs the optional e
 requirements-ray.txt."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,38 @@ def test_the_join_command_fits_the_cluster_and_a_negative_wait_is_refused():
     cfg.replace_timeout_s = -1
     with pytest.raises(ValueError, match="cluster.ray.replace_timeout_s"):
         cfg.check()
+
+
+def test_gloo_listens_on_the_interface_of_the_node_s_address(monkeypatch):
+    """Where the hostname resolves to the loopback, gloo would listen there and a generator node on another machine
+    could not join the weight broadcast (the two-network-stack test below failed so): gloo_on points it at the
+    interface of the node's Ray address, leaves a simulated cluster's loopback and a user's GLOO_SOCKET_IFNAME be,
+    and restores the environment after."""
+    from launch.ray_cluster import gloo_on, interface_of
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.254") is None  # TEST-NET-3: nobody's
+    with gloo_on("127.0.0.1"):
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the address this machine reaches others from
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the route, sends nothing
+            address = s.getsockname()[0]
+        except OSError:
+            pytest.skip("no route off this machine")
+    if address.startswith("127."):
+        pytest.skip("no interface but the loopback has an IPv4 address here")
+    name = interface_of(address)
+    assert name in {n for _, n in socket.if_nameindex()} - {"lo"}
+    with gloo_on(address):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == name
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    with gloo_on(address):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"
 
 
 @pytest.mark.slow
@@ -298,3 +331,75 @@ def _cmdline(pid: int) -> str:
             return f.read().split(b"\0")[0].decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network stacks on this machine, joined by a veth pair as two machines on one subnet are (each with its
+    own address, a default route through it, and the hostname still resolving to 127.0.0.1, as in many containers
+    and Debian's 127.0.1.1): (namespace, address) of machine A and of machine B. Needs root and iproute2."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 (network namespaces)")
+    tag = f"rr{os.getpid() % 100000}"
+    hosts = [(f"{tag}a", "10.213.0.1"), (f"{tag}b", "10.213.0.2")]
+    try:
+        for name, _ in hosts:
+            _ip("netns", "add", name)
+        _ip("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
+        for (name, address), end in zip(hosts, "ab"):
+            _ip("link", "set", f"{tag}v{end}", "netns", name)
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", f"{tag}v{end}")
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", f"{tag}v{end}", "up")
+            _ip("-n", name, "route", "add", "default", "dev", f"{tag}v{end}")
+    except (subprocess.CalledProcessError, OSError) as e:
+        for name, _ in hosts:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"network namespaces unavailable here: {e}")
+    yield hosts
+    for name, _ in hosts:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # the veth pair goes with them
+
+
+@pytest.mark.slow
+def test_the_readme_s_two_machine_commands_on_two_network_stacks(tiny_model_dir, tmp_path, two_hosts):
+    """The README's real-cluster commands on two machines' network stacks (network namespaces): `ray start --head`
+    on A, `ray start --address=A:6379` on B (one core each, to fit a 2-core box), then train.py on A with
+    cluster.ray.address=auto, and `ray stop` on both, as a user would (it stops every Ray process of the machine).
+    Unlike a simulated cluster, nothing is on the loopback: the generator node reaches the trainer node's Ray and
+    its gloo group at A's address (before launch/ray_cluster.py `gloo_on`, that group's init timed out here)."""
+    pytest.importorskip("ray")
+    (a, a_ip), (b, _) = two_hosts
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    before, ray_before = shm_files(), _ray_processes()
+
+    def on(host, *cmd, timeout=120):
+        return subprocess.run(["ip", "netns", "exec", host, *cmd], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env=env, preexec_fn=die_with_parent)
+
+    try:
+        head = on(a, *ray_cli, "start", "--head", "--port=6379", "--num-cpus=1", "--disable-usage-stats")
+        assert head.returncode == 0, head.stderr[-3000:]
+        node = on(b, *ray_cli, "start", f"--address={a_ip}:6379", "--num-cpus=1")
+        assert node.returncode == 0, node.stderr[-3000:]
+        result = on(a, *train_cmd(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "cluster.ray.address=auto",
+                                  "cluster.ray.nodes=[{role: trainer, cores: 1, rollout_workers: 0, trainer_ranks: 1}, "
+                                  "{role: generator, cores: 1, rollout_workers: 1}]", "cluster.ray.call_timeout_s=60",
+                                  "steps=3", "max_staleness=1", "eval.every=0", "checkpoint.at_end=false", *TINY),
+                    timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        for host in (b, a):
+            on(host, *ray_cli, "stop", "--force", timeout=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["ray/node1_groups"] >= 3 * 2 and summary["ray/node1_lost"] == 0
+    assert summary["ray/broadcasts"] >= 2 and summary["ray/node1_newest_version"] >= 1
+    deadline = time.time() + 60  # `ray stop` returns before its processes are gone: wait for that state
+    while _ray_processes() - ray_before and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _ray_processes() - ray_before and shm_files() <= before
