@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import tasks
 from engines.base import Completion, Request, SamplingParams
+from heap import release_free_heap
 from rewards.pool import RewardPool
 
 if TYPE_CHECKING:
@@ -142,24 +143,27 @@ def evaluate_episodes(engine, tokenizer, task, spec: EvalSpec) -> dict:
 
 @dataclass(frozen=True)
 class EngineEvaluator:
-    """The CPU plan's: an engine of rank 0's own, built once and kept, that follows the weight path like a
-    rollout worker's engine, so each evaluation runs on the version just published."""
+    """The CPU plan's: an engine of rank 0's own for each evaluation, that loads the version just published from
+    the weight path as a rollout worker's engine does. Kept between evaluations it would hold its weights, their
+    blocked copies and its KV cache in rank 0 all run; made again it costs a model load an evaluation."""
     engine: "EngineSpec"  # its max_len holds the longest evaluation request (longest_request)
 
     @contextmanager
     def open(self, model_path: str, weights, task, spec: EvalSpec):
         tokenizer = tasks.load_tokenizer(model_path, dict(spec.chat_template))
-        with self.engine.open(model_path, spec.seed) as engine:
-            sync = weights.follower(engine, 0)
 
-            def evaluate_version(version: int, stop=None) -> dict:
+        def evaluate_version(version: int, stop=None) -> dict:
+            with self.engine.open(model_path, spec.seed) as engine:
+                sync = weights.follower(engine, 0)
                 while engine.version < version:
                     if stop is not None and stop.is_set():
                         return {}
                     sync()
-                return evaluate(engine, tokenizer, task, spec)
+                results = evaluate(engine, tokenizer, task, spec)
+            release_free_heap()  # the engine's pages, which glibc would keep for the next evaluation
+            return results
 
-            yield evaluate_version
+        yield evaluate_version
 
     def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> None:
         return None

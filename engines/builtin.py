@@ -118,8 +118,10 @@ class BuiltinEngine:
     only the bookkeeping of requests and slots is Python."""
     # On the CPU an idle engine (nothing running, waiting or parked) hands a KV cache this large back to the OS,
     # and zeroes a new one when requests come: GSM8K's 32 slots x 632 tokens in bf16 are 444 MB, free while a
-    # synchronous run's trainer takes its step, for about 0.1 s of zeroing a batch. Smaller caches (the default
-    # task's) are kept: zeroing them would cost more of a short step than they free.
+    # synchronous run's trainer takes its step, for about 0.1 s of zeroing a batch. Such a cache is first made by
+    # the first requests, not at construction: rank 0's evaluation engine is idle until its first evaluation.
+    # Smaller caches (the default task's) are made at once and kept: zeroing them would cost more of a short step
+    # than they free.
     IDLE_RELEASE_BYTES = 128 << 20
 
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
@@ -129,9 +131,11 @@ class BuiltinEngine:
             # engines/arch.py: the fast path, or the fallback (also where `fallback` asks for it)
             self.model = forward_for(model, dtype, max_len, self.device, fallback)
         self.max_batch, self.max_len = max_batch, max_len
-        self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
-        size = sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if isinstance(t, torch.Tensor))
-        self.release_when_idle = self.device.type == "cpu" and size >= self.IDLE_RELEASE_BYTES
+        self.release_when_idle = (self.device.type == "cpu"
+                                  and self.model.cache_bytes(max_batch, max_len) >= self.IDLE_RELEASE_BYTES)
+        self.k_cache = self.v_cache = None
+        if not self.release_when_idle:
+            self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
         self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()

@@ -90,6 +90,10 @@ class HFForward:
     def new_cache(self, max_batch: int, max_len: int) -> tuple[SlotCache, None]:
         return SlotCache(max_batch, max_len), None
 
+    def cache_bytes(self, max_batch: int, max_len: int) -> int:
+        """0: a SlotCache allocates each layer's part at its first write, and the fallback keeps it."""
+        return 0
+
     def prefill(self, cache: SlotCache, _, ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """As `Llama.prefill`: U distinct right-padded prompts ids [U, P] into slots; no logits."""
         U, P = ids.shape

@@ -6,6 +6,7 @@ gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named
 so a trainer can `.copy_()` new weights in without knowing about the fusion; `drop_blocked()` must follow (the
 built-in engine's `adopt_weights` calls it), and the blocked copies are made again before the next decode step.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -170,9 +171,16 @@ class Llama:
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
     def new_cache(self, max_batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim)
+        shape = self._cache_shape(max_batch, max_len)
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def cache_bytes(self, max_batch: int, max_len: int) -> int:
+        """What new_cache would allocate (keys and values), without allocating it."""
+        return 2 * math.prod(self._cache_shape(max_batch, max_len)) * self.dtype.itemsize
+
+    def _cache_shape(self, max_batch: int, max_len: int) -> tuple[int, ...]:
+        return len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., D] -> q [..., H, hd] and k [..., KV, hd], both rotated, and v [..., KV, hd]."""

@@ -358,6 +358,34 @@ def test_evaluator_contract(make, tokenizer_dir):
     assert examples == list(range(n))
 
 
+def test_the_cpu_plan_s_evaluator_holds_an_engine_only_while_it_evaluates(tokenizer_dir):
+    """EngineEvaluator opens its engine for each evaluation and closes it after, so rank 0 holds no second copy of
+    the weights (nor their blocked copies, nor a KV cache) while it trains."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    task = tasks.get("arithmetic").build(tasks.get("arithmetic").Config(test_size=9), 0)
+    engine, opened, held = TableEngine(tokenizer, task.test), [], []
+
+    class CountingSpec:
+        @contextmanager
+        def open(self, weights_path, seed):
+            opened.append(seed)
+            held.append(engine)
+            try:
+                yield engine
+            finally:
+                held.pop()
+
+    path = VersionPath()
+    with EngineEvaluator(CountingSpec()).open(tokenizer_dir, path, task, SPEC) as evaluate:
+        assert not opened  # nothing before the first evaluation
+        for version in (1, 2):
+            path.publisher(None, True, None)([], version)
+            metrics = evaluate(version, StopFlag())
+            assert not held and engine.version == version
+            assert metrics["eval_pass@1"] == sum(i % 3 == 0 for i in range(len(task.test))) / len(task.test)
+    assert opened == [SPEC.seed, SPEC.seed]
+
+
 # ---- Plan: launch/plan.py CPUPlan, launch/gpu.py GPUPlan ----
 
 PLANS = {"cpu": CPUPlan(rollout_workers=2, trainer_ranks=1, max_restarts=3, engine_kind="builtin"),

@@ -308,6 +308,8 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
     parked = engine.generate([Request(9, prompts[0], SamplingParams(max_new_tokens=2), park=True)])
     assert parked and engine.k_cache is not None  # a parked sequence keeps its cache
     engine = BuiltinEngine(model, max_batch=2, max_len=32)
+    assert engine.k_cache is None  # made by the first requests, not held from construction
+    assert engine.model.cache_bytes(2, 32) == sum(t.numel() * t.element_size() for t in kept.model.new_cache(2, 32))
     for batch, tokens in zip(batches, expected):
         assert [c.token_ids for c in engine.generate(batch)] == tokens
         assert engine.k_cache is None and engine.v_cache is None

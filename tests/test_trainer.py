@@ -217,22 +217,27 @@ def test_learner_mfu_is_model_flops_over_the_peak_at_the_step_s_threads():
     assert all(1e8 < rate < 1e13 for _, rate in measured.rates)
 
 
-def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass(tiny_model_dir, monkeypatch):
+def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass_and_after_the_step(tiny_model_dir,
+                                                                                          monkeypatch):
+    """Before each long pass, and once the step is done: the engines that generate the next batch (and an
+    evaluation) use those pages while the trainer waits."""
     import algos
     import trainer.learner
     from launch.schema import RolloutConfig, TrainConfig
 
     calls = []
-    monkeypatch.setattr(trainer.learner, "release_free_heap", lambda: calls.append(1))
+    monkeypatch.setattr(trainer.learner, "release_free_heap", lambda: calls.append("heap"))
     train = TrainConfig(batch_groups=2, micro_tokens=1, autocast="none")  # one group per pass: two passes
     learner = trainer.learner.Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
                                       rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    adamw = learner.optimizer.step
+    learner.optimizer.step = lambda: (calls.append("adamw"), adamw())
     batch = pack(_groups())
     learner.step(batch, 1)
-    assert calls == []  # short passes keep their pages
+    assert calls == ["adamw"]  # short passes keep their pages
     monkeypatch.setattr(trainer.learner, "HEAP_RELEASE_TOKENS", 1)
     learner.step(batch, 2)
-    assert len(calls) == 2
+    assert calls == ["adamw", "heap", "heap", "adamw", "heap"]
 
 
 def test_the_learner_settles_the_default_pass_budget_for_its_device(tiny_model_dir, monkeypatch):

@@ -115,6 +115,9 @@ class Learner:
             summed = {"train/tokens", *getattr(self.loss_fn, "summed_metrics", ())}
             out = {k: sum(row[k] for row in rows) / (1 if k in summed else count) for k in rows[0]}
         out["train/skipped_steps"] = self.skipped
+        if self.device.type == "cpu" and batch.input_ids.numel() >= HEAP_RELEASE_TOKENS:
+            # now rather than at the next pass: the engines generating the next batch, and an evaluation, use them
+            release_free_heap()
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
     def _update(self, batch: Batch, passes, step: int, prox, stats) -> dict:
