@@ -32,6 +32,13 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: str = ""  # what the tokens read as, kept only for stop strings
+    # The weights its prompt's cache was computed with (the engine's `weights_seen` then); None: a continuation,
+    # whose cache holds earlier turns, possibly under older weights. Only a current prompt cache is copied.
+    prompt_weights: int | None = None
+    prefix: tuple[int, ...] = field(init=False, repr=False)  # what prefill caches: the prompt but its last token
+
+    def __post_init__(self):
+        self.prefix = tuple(self.request.prompt_ids[:-1])
 
     def finish_reason(self, vocabulary: list[str] | None) -> str | None:
         params, token = self.request.params, self.token_ids[-1]
@@ -144,6 +151,8 @@ class BuiltinEngine:
         # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its tokens,
         # prompt and generated; the cache holds all but the last).
         self.parked: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        self.weights_seen = 0  # weight loads so far: a prompt's cache is copied only under the weights it was made with
+        self.prefix_copies = 0  # admitted samples whose prompt's cache was copied from a running sibling
         self.resumed = self.resume_misses = 0  # continuations that prefilled only their new tokens, and the others
         self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
@@ -159,6 +168,7 @@ class BuiltinEngine:
 
     def set_version(self, version: int) -> None:
         self.version = version
+        self.weights_seen += 1
 
     # The weight receipt (engines/base.py): weights are copied in between two decode steps; sequences in flight
     # keep their cache and continue under the new weights, nothing is interrupted.
@@ -182,6 +192,7 @@ class BuiltinEngine:
     def adopt_weights(self, version: int) -> list[Completion]:
         self.model.drop_blocked()  # the copies the matmuls read are made from these weights before the next step
         self.version = version
+        self.weights_seen += 1
         return []
 
     def num_running(self) -> int:
@@ -239,10 +250,11 @@ class BuiltinEngine:
         while self.waiting and (self.free or self.parked):
             request = self.waiting.popleft()
             slot = self._continue(request)
-            if slot is None:
+            resumed = slot is not None
+            if not resumed:
                 slot = heapq.heappop(self.free) if self.free else self.parked.popitem(last=False)[1][0]
                 admitted.append((request, slot))
-            self.running[slot] = Sequence(request, slot)
+            self.running[slot] = Sequence(request, slot, prompt_weights=None if resumed else self.weights_seen)
         if not admitted:
             return
         requests = [r for r, _ in admitted]
@@ -252,16 +264,34 @@ class BuiltinEngine:
         self.slot_temperature[slots] = self._tensor([r.params.temperature for r in requests], torch.float32)
         self.slot_request[slots] = self._tensor([r.request_id for r in requests])
         self.slot_top_p[slots] = self._tensor([r.params.top_p for r in requests], torch.float32)
-        # K samples of one prompt share its prefix: compute it once, copy its cache into each slot.
+        # K samples of one prompt share its prefix: copied from a slot that already holds it (a sibling admitted
+        # earlier, still running: continuous batching admits the K samples as slots free up), else computed once
+        # for all of them here.
+        pending = {slot for _, slot in admitted}
+        held = self._held_prefixes({len(self.running[slot].prefix) for slot in pending}, pending)
+        copies = [(held[key], slot) for _, slot in admitted if (key := self.running[slot].prefix) in held]
+        for source, target in copies:
+            self.model.copy_prefix(self.k_cache, self.v_cache, source, target, len(self.running[target].prefix))
+        self.prefix_copies += len(copies)
+        copied = {target for _, target in copies}
+        admitted = [(r, slot) for r, slot in admitted if slot not in copied]
         prefixes: dict[tuple[int, ...], int] = {}
-        rows = [prefixes.setdefault(tuple(r.prompt_ids[:-1]), len(prefixes)) for r in requests]
-        longest = max(len(p) for p in prefixes)
+        rows = [prefixes.setdefault(self.running[slot].prefix, len(prefixes)) for _, slot in admitted]
+        longest = max((len(p) for p in prefixes), default=0)
         if longest == 0:
             return
+        slots = torch.tensor([slot for _, slot in admitted], device=self.device)
         ids = torch.zeros(len(prefixes), longest, dtype=torch.long)
         for row, prefix in enumerate(prefixes):
             ids[row, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
         self.model.prefill(self.k_cache, self.v_cache, ids.to(self.device), self._tensor(rows), slots)
+
+    def _held_prefixes(self, lengths: set[int], pending: set[int]) -> dict[tuple[int, ...], int]:
+        """Prompt prefixes (all but the last prompt token) of these lengths that a running slot's cache holds, made
+        with the current weights -> that slot. A slot never rewrites its cache below its prompt's length; `pending`
+        slots are not filled yet."""
+        return {seq.prefix: slot for slot, seq in self.running.items() if slot not in pending and seq.prefix
+                and seq.prompt_weights == self.weights_seen and len(seq.prefix) in lengths}
 
     def _continue(self, request: Request) -> int | None:
         """The parked slot that `request` continues, its cache extended by the new prompt tokens; None when it

@@ -94,6 +94,12 @@ class HFForward:
         """0: a SlotCache allocates each layer's part at its first write, and the fallback keeps it."""
         return 0
 
+    def copy_prefix(self, cache: SlotCache, _, source: int, target: int, length: int) -> None:
+        """As `Llama.copy_prefix`: positions :length of slot `source`'s cache into slot `target`'s."""
+        for store in (cache.keys, cache.values):
+            for layer in store.values():
+                layer[target, :, :length] = layer[source, :, :length]
+
     def prefill(self, cache: SlotCache, _, ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """As `Llama.prefill`: U distinct right-padded prompts ids [U, P] into slots; no logits."""
         U, P = ids.shape

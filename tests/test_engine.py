@@ -245,6 +245,24 @@ def test_a_request_samples_the_same_tokens_in_any_batch(model):
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_sample_admitted_beside_a_running_sibling_copies_its_prompt_s_cache(model, fallback):
+    """More samples of a prompt than free slots: those admitted later copy the prompt's cache from a sibling still
+    running instead of prefilling it again, and their logprobs are still a full teacher-forced pass's."""
+    engine = BuiltinEngine(model, max_batch=2, max_len=40, fallback=fallback)
+    prefilled = []
+    prefill = engine.model.prefill
+    engine.model.prefill = lambda *a: prefilled.append(a[2].shape) or prefill(*a)
+    shared, other = random_prompts([11, 7], seed=4)
+    # Sample 0 runs throughout; the other prompt holds slot 1 first, so a wrong copy would leave its keys there.
+    plan = [(shared, 12), (other, 2), (shared, 3), (shared, 4)]
+    requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(plan)]
+    completions = engine.generate(requests)
+    assert prefilled == [(2, 10)] and engine.prefix_copies == 2
+    for completion in completions:
+        assert_matches_teacher_forced(model, completion, 1.0)
+
+
 def test_a_parked_sequence_continues_with_only_its_new_tokens_prefilled(model):
     """Multi-turn: a finished turn's slot stays parked; the next turn (its tokens + an observation) extends the
     cache instead of prefilling it all, and its logprobs are those of a full teacher-forced pass."""
