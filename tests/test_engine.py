@@ -5,7 +5,8 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from engines.base import Request, SamplingParams
-from engines.builtin import BuiltinEngine, inverse_cdf, sample
+from engines.builtin import BuiltinEngine
+from engines.sampler import inverse_cdf, sample
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +225,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused():
 
 
 def test_counter_uniform_is_a_fixed_uniform_stream():
-    from engines.builtin import counter_uniform
+    from engines.sampler import counter_uniform
 
     keys, pos = torch.arange(200_000) // 100, torch.arange(200_000) % 100
     u = counter_uniform(7, keys, pos)

@@ -7,7 +7,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONCRETE_ENGINES = ("engines.builtin", "engines.llama", "engines.sglang", "engines.weights", "engines.weight_sync")
+CONCRETE_ENGINES = ("engines.builtin", "engines.sampler", "engines.llama", "engines.sglang", "engines.weights",
+                    "engines.weight_sync")
 
 
 def _sources(folder_or_file: str) -> list[str]:

@@ -1,0 +1,69 @@
+"""Sampling a batch of next tokens from float32 logits, the built-in engine's last step of a decode: temperature,
+top-p, one counter-based uniform per row (so a seed fixes every completion whatever shares its batch) and the
+sampled token's logprob."""
+import torch
+import torch.nn.functional as F
+
+
+def nucleus(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero out, per row, the tail outside the smallest set of tokens holding `top_p` of the mass."""
+    sorted_weights, order = weights.sort(dim=-1, descending=True)
+    cumulative = sorted_weights.cumsum(dim=-1)
+    # Rows with top_p = 1 are left alone: float error in the cumsum could otherwise clip their tail.
+    drop = (cumulative - sorted_weights > top_p[:, None] * cumulative[:, -1:]) & (top_p < 1)[:, None]
+    return weights.scatter(1, order, sorted_weights.masked_fill(drop, 0.0))
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Index i per row with cdf[i-1] <= u * total < cdf[i], for weights [n, V] >= 0 and u [n] in [0, 1).
+
+    One uniform per row instead of torch.multinomial's one random number per vocabulary entry, and
+    a two-level search (pick a block of `block` tokens, then a token inside it) because a row-wise
+    cumsum over the full vocabulary is serial and slow on CPU.
+    """
+    n, vocab = weights.shape
+    blocks = (F.pad(weights, (0, -vocab % block)) if vocab % block else weights).view(n, -1, block)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)
+    target = (u.clamp(max=1 - 2**-20) * block_cdf[:, -1])[:, None]  # strictly below the total, even after rounding
+    b = torch.searchsorted(block_cdf, target, right=True)
+    inner_cdf = blocks[torch.arange(n), b.squeeze(1)].cumsum(dim=-1)
+    # Re-summing the block can round differently: stay strictly below its total so a zero-weight tail is never hit.
+    rest = torch.minimum(target - (block_cdf.gather(1, b) - inner_cdf[:, -1:]), inner_cdf[:, -1:] * (1 - 2**-20))
+    inner = torch.searchsorted(inner_cdf, rest.clamp_(min=0), right=True).clamp_(max=block - 1)
+    return (b * block + inner).squeeze(1)
+
+
+def counter_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) that is a pure function of (seed, key, position): splitmix64 on int64 tensors.
+
+    Sampling token `position` of request `key` then draws the same number whatever else shares the batch and
+    whenever it runs, so a seed fixes every completion (and a resumed run draws what the uninterrupted one did).
+    """
+    def shift(z, bits):  # logical right shift on int64
+        return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+    salt = (seed * 0x3C6E_F372_FE94_F82B) % 2**64
+    salt -= 2**64 if salt >= 2**63 else 0  # as a signed int64; tensor products below wrap around the same way
+    z = (keys * 0x1_0000_0001 + positions + salt) * -7046029254386353131  # 0x9E3779B97F4A7C15
+    z = (z ^ shift(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ shift(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ shift(z, 31)
+    return shift(z, 11).double().mul_(2.0 ** -53).float()
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] float32, uniforms u [n] -> tokens [n], and their logprobs under softmax(logits / T)
+    (T = 1 for greedy)."""
+    greedy = temperature == 0
+    divisor = torch.where(greedy, 1.0, temperature)
+    scaled = logits if bool((divisor == 1).all()) else logits.div_(divisor[:, None])  # logits are ours to overwrite
+    peak = scaled.max(dim=-1, keepdim=True).values
+    weights = (scaled - peak).exp_()  # softmax numerators; normalising them is never needed
+    log_norm = peak.squeeze(1) + weights.sum(dim=-1).log()
+    if bool((top_p < 1).any()):
+        weights = nucleus(weights, top_p)
+    tokens = inverse_cdf(weights, u)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
+    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm
