@@ -87,7 +87,7 @@ class BuiltinEngine:
         # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its tokens,
         # prompt and generated; the cache holds all but the last).
         self.parked: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
-        self.weights_seen = 0  # weight loads so far: a prompt's cache is copied only under the weights it was made with
+        self.weights_seen = 0  # weight loads and version changes so far: a prompt cache is copied under its own only
         self.prefix_copies = 0  # admitted samples whose prompt's cache was copied from a running sibling
         self.resumed = self.resume_misses = 0  # continuations that prefilled only their new tokens, and the others
         self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
