@@ -205,12 +205,15 @@ class BuiltinEngine:
         # for all of them here.
         pending = {slot for _, slot in admitted}
         held = self._held_prefixes({len(self.running[slot].prefix) for slot in pending}, pending)
-        copies = [(held[key], slot) for _, slot in admitted if (key := self.running[slot].prefix) in held]
-        for source, target in copies:
-            self.model.copy_prefix(self.k_cache, self.v_cache, source, target, len(self.running[target].prefix))
-        self.prefix_copies += len(copies)
-        copied = {target for _, target in copies}
-        admitted = [(r, slot) for r, slot in admitted if slot not in copied]
+        to_prefill = []
+        for request, slot in admitted:
+            prefix = self.running[slot].prefix
+            if prefix in held:
+                self.model.copy_prefix(self.k_cache, self.v_cache, held[prefix], slot, len(prefix))
+                self.prefix_copies += 1
+            else:
+                to_prefill.append((request, slot))
+        admitted = to_prefill
         prefixes: dict[tuple[int, ...], int] = {}
         rows = [prefixes.setdefault(self.running[slot].prefix, len(prefixes)) for _, slot in admitted]
         longest = max((len(p) for p in prefixes), default=0)
