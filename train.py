@@ -59,8 +59,13 @@ def main(raw) -> None:
     plan_name = _or_exit(device_plan, cfg.cluster.plan, torch.cuda.device_count(), cfg.cluster.device)
     if cfg.cluster.ray.enabled:  # this machine is the trainer node: its own plan is the node's entry
         cfg = _or_exit(_trainer_node, cfg, plan_name)
-    cfg = _precision(cfg, compute_device(plan_name, cfg.cluster.device))
+    device = compute_device(plan_name, cfg.cluster.device)
+    cfg = _precision(cfg, device)
     quiet_libraries()
+    if not cfg.eval.only:  # the processes' imports start now, beside the set-up below
+        from launch.forkserver import context
+
+        ctx = context(device)
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
     import tasks
     from models.loader import resolve
@@ -71,16 +76,18 @@ def main(raw) -> None:
     plan = _or_exit(_plan, plan_name, cfg, model_path, model_config)
     if cfg.eval.only:
         return _evaluate_only(cfg, plan, model_path, run_dir, task)
-    error = run(cfg, plan, model_path, run_dir, resume, config, task)
+    error = run(cfg, plan, model_path, run_dir, resume, config, task, ctx)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(130 if error == "interrupted" else 1)
     print(f"done: {run_dir}{_reached(run_dir)}")
 
 
-def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict, task=None) -> str | None:
+def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict, task=None,
+        ctx=None) -> str | None:
     """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None.
-    `task`: the task's data, as built from cfg.task (built here when not given)."""
+    `task`: the task's data, as built from cfg.task (built here when not given); `ctx`: how the processes start
+    (launch/forkserver.py; `spawn` when not given)."""
 
     import tasks
     from buffer.ring import TrajectoryRing
@@ -125,7 +132,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     hearts = Heartbeats([f"rollout-{w}" for w in range(workers)] + [f"trainer-{r}" for r in range(plan.trainer_ranks)])
     c = cfg.cluster
     sup = Supervisor(os.path.join(run_dir, "stacks"), hearts,
-                     Allowance(c.hang_timeout_s, c.slow_timeout_s, c.start_timeout_s))
+                     Allowance(c.hang_timeout_s, c.slow_timeout_s, c.start_timeout_s), ctx)
     shared = Shared(
         ring=TrajectoryRing(lanes * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
                             max_prompt_len, rollout.max_new_tokens, num_producers=lanes),
@@ -210,7 +217,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         if nodes is not None:
             nodes.close()
         counts = {**_launcher_counts(shared.counters), **(nodes.metrics() if nodes else {})}
-        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each)
+        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each, sup.peak_rss_mb)
         draw_curves(run_dir)
     return error
 

@@ -36,13 +36,32 @@ def tree_pss_mb(root: int | None = None) -> float:
     return total / 1024
 
 
+def tree_peak_rss_mb(root: int | None = None) -> float:
+    """The largest peak resident set (VmHWM) of any one process in `root`'s tree (default: this process), in MiB."""
+    todo, peak = [root or os.getpid()], 0
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                peak = max([peak] + [int(line.split()[1]) for line in f if line.startswith("VmHWM:")])
+        except OSError:
+            pass
+        todo += _children(pid)
+    return peak / 1024
+
+
 def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
-    """The same total as `tree_pss_mb()`, split: this process alone ("launcher") and the subtree of each child,
-    under `names[pid]` (children not named there add up under "other"), in MiB."""
-    parts = {"launcher": _pss_kb(os.getpid()) / 1024}
-    for child in _children(os.getpid()):
-        name = names.get(child, "other")
-        parts[name] = parts.get(name, 0.0) + tree_pss_mb(child)
+    """The same total as `tree_pss_mb()`, split: this process alone ("launcher"), the subtree of each process in
+    `names` under its name, wherever it sits below (a forkserver's children are the launcher's grandchildren),
+    and the processes in between and the subtrees of others under "other", in MiB."""
+    parts, todo = {"launcher": _pss_kb(os.getpid()) / 1024}, _children(os.getpid())
+    while todo:
+        pid = todo.pop()
+        if pid in names:
+            parts[names[pid]] = parts.get(names[pid], 0.0) + tree_pss_mb(pid)
+        else:
+            parts["other"] = parts.get("other", 0.0) + _pss_kb(pid) / 1024
+            todo += _children(pid)
     return parts
 
 

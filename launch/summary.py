@@ -55,10 +55,10 @@ def completed(run_dir: str, steps: int) -> bool:
 
 
 def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, peak_parts: dict | None = None,
-                  peak_each: dict | None = None):
+                  peak_each: dict | None = None, peak_rss_mb: float = 0.0):
     """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's own
     counters, read after every process stopped); `peak_parts`: the peak's split by process; `peak_each`: each
-    process's own peak."""
+    process's own peak; `peak_rss_mb`: the largest resident set any process reached, as sampled."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -83,8 +83,8 @@ def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, pe
         "peak_memory_by_process_mb": {name: round(mb) for name, mb in sorted((peak_parts or {}).items())},
         # ... and each process's own peak, whenever it came (a rollout worker's need not fall at the total's)
         "peak_memory_each_process_mb": {name: round(mb) for name, mb in sorted((peak_each or {}).items())},
-        "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
+        "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_rss_mb),
         **(counts or {}),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -1,4 +1,5 @@
-"""Start worker processes with `spawn`, watch them, and shut everything down on any exit path.
+"""Start worker processes (`spawn`, or on the CPU from a forkserver: launch/forkserver.py), watch them, and shut
+everything down on any exit path.
 
 Watching covers processes that exit (a failure, a kill) and, with heartbeats (launch/heartbeat.py), processes
 that are alive but stuck: one whose last beat is older than its phase allows is named in one line
@@ -27,12 +28,15 @@ from multiprocessing.connection import wait
 import torch
 from setproctitle import setproctitle
 
-from launch.memory import tree_pss_parts_mb
+from launch.memory import tree_peak_rss_mb, tree_pss_parts_mb
 from launch.shared import Finish, StopFlag
 
 
-def _child_main(name, target, kwargs, errors, threads, stack_pipe):
+def _child_main(name, target, kwargs, errors, threads, stack_pipe, environ):
     _die_with_parent(name)
+    if os.environ != environ:  # forked from the forkserver: the launcher's environment now, as `spawn` gives it
+        os.environ.clear()
+        os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and tells us to stop
     faulthandler.register(DUMP_SIGNAL, file=stack_pipe.fileno(), all_threads=True)  # the launcher reads it
     torch.set_num_threads(threads)
@@ -97,10 +101,11 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 
 class Supervisor:
-    def __init__(self, stacks_dir: str = "", hearts=None, allowance=None):
-        """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only), and
-        allowance: how long each phase may go without a beat (launch.heartbeat.Allowance)."""
-        self.ctx = mp.get_context("spawn")
+    def __init__(self, stacks_dir: str = "", hearts=None, allowance=None, ctx=None):
+        """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only),
+        allowance: how long each phase may go without a beat (launch.heartbeat.Allowance), and ctx: how processes
+        start (a multiprocessing context; `spawn` unless given)."""
+        self.ctx = ctx or mp.get_context("spawn")
         self.stop = StopFlag()
         self.finished = Finish()  # set by trainer rank 0 after its last step: non-essential processes retire
         self.errors = self.ctx.Queue()
@@ -117,6 +122,9 @@ class Supervisor:
         self.peak_mb = 0.0
         self.peak_parts: dict[str, float] = {}  # that total's split by process (launch/memory.py) when it peaked
         self.peak_each: dict[str, float] = {}  # each process's own largest share, whenever it came
+        # The largest resident set any one process reached: the kernel's high-water mark, read at each sample (a
+        # forkserver's children are not the launcher's to wait for, so RUSAGE_CHILDREN misses them).
+        self.peak_rss_mb = 0.0
         self._next_sample = 0.0
 
     def start(self, name: str, target, kwargs: dict, threads: int, essential: bool = False) -> None:
@@ -129,8 +137,8 @@ class Supervisor:
         ours, theirs = self.ctx.Pipe(duplex=False)
         if self.hearts is not None and name in self.hearts.names:
             self.hearts.restart(name)
-        proc = self.ctx.Process(target=_child_main, args=(name, target, kwargs, self.errors, threads, theirs),
-                                name=name)
+        proc = self.ctx.Process(target=_child_main, name=name,
+                                args=(name, target, kwargs, self.errors, threads, theirs, dict(os.environ)))
         proc.start()
         theirs.close()
         self.procs[name], self.stack_pipes[name] = proc, ours
@@ -216,6 +224,7 @@ class Supervisor:
             self.peak_mb, self.peak_parts = total, parts
         for name, mb in parts.items():
             self.peak_each[name] = max(mb, self.peak_each.get(name, 0.0))
+        self.peak_rss_mb = max(self.peak_rss_mb, tree_peak_rss_mb())
         self._next_sample = now + max(1.0, 20 * (time.monotonic() - now))
 
     def _describe(self, name: str, exitcode: int) -> str:

@@ -141,6 +141,29 @@ def test_processes_carry_readable_names(tiny_model_dir, tmp_path):
                 time.sleep(0.1)
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_launcher_leaves_neither_its_forkserver_nor_its_processes(tiny_model_dir, tmp_path):
+    """On the CPU the processes are forked by a forkserver, the launcher's child (launch/forkserver.py): a SIGKILL
+    to the launcher takes the forkserver with it (PR_SET_PDEATHSIG), and the processes with the forkserver."""
+    proc = _started_run(tmp_path, tiny_model_dir)
+    family = descendants(proc.pid)
+    workers = [p for p in family if _cmdline(p) in ("ringrl:rollout-0", "ringrl:trainer-0")]
+    forkservers = {_parent(p) for p in workers}
+    assert len(workers) == 2 and len(forkservers) == 1, [_cmdline(p) for p in family]
+    forkserver = forkservers.pop()
+    assert _parent(forkserver) == proc.pid and "multiprocessing.forkserver" in _cmdline(forkserver)
+    proc.kill()
+    proc.communicate()
+    deadline = time.time() + 10
+    while any(alive(p) for p in family) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [_cmdline(p) for p in family if alive(p)], "outlived the launcher"
+
+
 @pytest.mark.slow  # tests/test_hang.py replaces a stuck worker mid-run through the same path, in CI
 def test_killed_rollout_worker_is_restarted_and_the_run_finishes(tiny_model_dir, tmp_path):
     # 60 steps: after the kill (at step 1) the run needs the replacement's groups for almost all of them
@@ -295,11 +318,34 @@ def test_gsm8k_from_a_local_file_trains(tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["eval_examples"] == 4
 
 
+def _forkservers_of(launcher: int) -> list[int]:
+    """Live processes started as `launcher`'s forkserver (launch/forkserver.py marks their environment)."""
+    mark, found = f"RINGRL_FORKSERVER_LAUNCHER={launcher}".encode(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and alive(int(entry)):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
 def test_missing_dataset_file_stops_with_one_line(tmp_path):
-    result = run_train(tmp_path, "task=gsm8k", f"task.path={tmp_path}/nope.jsonl", timeout=120)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.strip().splitlines() if line]
-    assert len(lines) == 1 and "nope.jsonl" in lines[0], result.stderr
+    # stderr to a file, not a pipe: a pipe would wait for the forkserver, which holds it too, to end
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(train_cmd(tmp_path, "task=gsm8k", f"task.path={tmp_path}/nope.jsonl"), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent)
+        proc.wait(timeout=120)
+        err.seek(0)
+        stderr = err.read()
+    assert proc.returncode == 2
+    lines = [line for line in stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and "nope.jsonl" in lines[0], stderr
+    # the forkserver had started and was still importing: it went with the launcher, not seconds later
+    time.sleep(0.5)
+    assert _forkservers_of(proc.pid) == []
 
 
 def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
