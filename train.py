@@ -62,10 +62,9 @@ def main(raw) -> None:
     device = compute_device(plan_name, cfg.cluster.device)
     cfg = _precision(cfg, device)
     quiet_libraries()
-    if not cfg.eval.only:  # the processes' imports start now, beside the set-up below
-        from launch.forkserver import context
+    from launch.forkserver import context
 
-        ctx = context(device)
+    ctx = None if cfg.eval.only else context(device)  # the processes' imports start now, beside the set-up below
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
     import tasks
     from models.loader import resolve
