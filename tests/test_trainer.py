@@ -293,17 +293,22 @@ def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os()
     assert held - after > 120, (held, after)  # of the 195 MB freed
 
 
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
-def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypatch, dtype, bias):
-    """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the same."""
-    from trainer.policy import _HeadLogprob, head_logprobs
-
+def _head_case(bias: bool):
+    """An output head of 300 tokens over 16 dimensions, 50 hidden rows, their targets and per-row loss weights."""
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=bias)
     with torch.no_grad():
         head.weight.copy_(torch.randn(300, 16, generator=g))
     hidden, targets = torch.randn(50, 16, generator=g), torch.randint(0, 300, (50,), generator=g)
-    weights = torch.rand(50, generator=g)
+    return head, hidden, targets, torch.rand(50, generator=g)
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypatch, dtype, bias):
+    """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the same."""
+    from trainer.policy import _HeadLogprob, head_logprobs
+
+    head, hidden, targets, weights = _head_case(bias)
     monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows
     grads = []
     for whole in (1 << 30, 0):
@@ -318,6 +323,55 @@ def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypat
     for whole, chunked in zip(*grads):
         assert whole.abs().sum() > 0
         torch.testing.assert_close(chunked, whole, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradients(monkeypatch, dtype):
+    """Small enough, the forward's logits serve the backward: no second lm_head matmul, the same bits; a second
+    backward (retain_graph) recomputes them, since the first overwrote them; a forward without gradients keeps
+    nothing."""
+    import trainer.policy as policy
+
+    head, hidden, targets, weights = _head_case(bias=False)
+    monkeypatch.setattr(policy._HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows: 8 chunks
+    calls = []
+    logits = policy._logits
+    monkeypatch.setattr(policy, "_logits", lambda *a: calls.append(1) or logits(*a))
+
+    def run(keep: int, twice: bool = False):
+        monkeypatch.setattr(policy._HeadLogprob, "KEEP_LOGITS_BYTES", keep)
+        h = hidden.clone().requires_grad_()
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out, _ = policy.head_logprobs(h, head, targets, 0.7)
+        calls.clear()
+        (out * weights).sum().backward(retain_graph=twice)
+        grads, backward_calls = [h.grad.clone(), head.weight.grad.clone()], len(calls)
+        if twice:
+            h.grad, head.weight.grad = None, None
+            (out * weights).sum().backward()
+            return grads, backward_calls, [h.grad, head.weight.grad], len(calls) - backward_calls
+        return grads, backward_calls
+
+    kept, kept_calls, again, again_calls = run(1 << 30, twice=True)
+    recomputed, recomputed_calls = run(0)
+    assert (kept_calls, recomputed_calls, again_calls) == (0, 8, 8)
+    for a, b, c in zip(kept, recomputed, again):
+        assert a.abs().sum() > 0
+        assert torch.equal(a, b) and torch.equal(a, c)
+    kept_lists, forward = [], policy._HeadLogprob.forward
+
+    def watched(ctx, *args):
+        out = forward(ctx, *args)
+        kept_lists.append(ctx.kept)
+        return out
+
+    monkeypatch.setattr(policy._HeadLogprob, "forward", staticmethod(watched))
+    monkeypatch.setattr(policy._HeadLogprob, "KEEP_LOGITS_BYTES", 1 << 30)
+    with torch.no_grad():  # the proximal and reference passes
+        policy.head_logprobs(hidden, head, targets, 0.7)
+    policy.head_logprobs(hidden, head, targets, 0.7)
+    assert kept_lists[0] is None and len(kept_lists[1]) == 8
 
 
 @pytest.mark.parametrize("tied", [True, False])

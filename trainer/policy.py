@@ -57,26 +57,29 @@ def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy:
     entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    return _HeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, dtype, entropy)
+    return _HeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, dtype, entropy,
+                              torch.is_grad_enabled())
 
 
 class _HeadLogprob(torch.autograd.Function):
     """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N] float32.
 
-    Never holds the [N, V] float32 logits: rows go through in chunks (a few MB that stay in cache on the CPU,
-    1 GB on a GPU), and the backward recomputes each chunk's logits (one more lm_head matmul) instead of
-    saving them. Plain autograd would write the logits, a float32 copy, a dense gradient and log_softmax's
-    backward over it: on a 1-thread CPU those passes cost more than the matmuls, and on a GPU with a 150k
-    vocabulary they would take tens of GB for one micro-batch of long completions. The backward holds the
+    Rows go through in chunks (a few MB that stay in cache on the CPU, 1 GB on a GPU). The forward keeps the
+    chunks' float32 logits for the backward while all of them fit in KEEP_LOGITS_BYTES (the default run's ~300
+    completion tokens: 57 MB, one lm_head matmul fewer, about 5% of its step); past that the backward recomputes
+    each chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd would write the logits,
+    a float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those passes cost more
+    than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one micro-batch of long
+    completions. The backward holds the
     logits' gradient [N, V] in the compute dtype only while it is at most WHOLE_GRAD_BYTES (two matmuls over all
     rows); past that, as for GSM8K's 8 x 512-token groups (400 MB), it goes chunk by chunk, the weight's
     gradient summed in float32.
     """
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
-    WHOLE_GRAD_BYTES = 256 << 20
+    WHOLE_GRAD_BYTES = KEEP_LOGITS_BYTES = 256 << 20
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled):
         device = hidden.device
         chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
         with torch.autocast(device.type, enabled=False):
@@ -84,14 +87,19 @@ class _HeadLogprob(torch.autograd.Function):
             b = None if bias is None else bias.to(dtype)
             out, lse = torch.empty(len(h), device=device), torch.empty(len(h), device=device)
             ent = torch.empty(len(h) if entropy else 0, device=device)
+            # the backward's, when there is one and they are small: it then needs no second lm_head matmul
+            kept = [] if grad_enabled and any(ctx.needs_input_grad[:3]) and \
+                len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES else None
             for rows in _chunks(len(h), w.shape[0], chunk):
                 logits = _logits(h[rows], w, b, temperature)
+                if kept is not None:
+                    kept.append(logits)
                 lse[rows] = logits.logsumexp(-1)
                 out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
                 if entropy:  # H = -sum_v p_v log p_v = lse - sum_v p_v logit_v
                     ent[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(-1)
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.temperature, ctx.hidden_dtype, ctx.chunk = temperature, hidden.dtype, chunk
+        ctx.temperature, ctx.hidden_dtype, ctx.chunk, ctx.kept = temperature, hidden.dtype, chunk, kept
         ctx.mark_non_differentiable(ent)
         return out, ent
 
@@ -101,8 +109,11 @@ class _HeadLogprob(torch.autograd.Function):
         temp = ctx.temperature
         scale = grad / temp
 
-        def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
-            g = _logits(h[rows], w, b, temp).sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
+        kept, ctx.kept = ctx.kept, None  # the forward's logits, overwritten below: a second backward recomputes
+
+        def grad_logits(i, rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            logits = kept[i] if kept else _logits(h[rows], w, b, temp)
+            g = logits.sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
             return g.scatter_add_(-1, targets[rows, None], scale[rows, None])
 
         with torch.autocast(h.device.type, enabled=False):
@@ -110,23 +121,26 @@ class _HeadLogprob(torch.autograd.Function):
             b = None if bias is None else bias.to(h.dtype)
             chunks = _chunks(len(h), w.shape[0], ctx.chunk)
             if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
-                whole = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
-                for rows in chunks:
-                    whole[rows] = grad_logits(rows, w, b)
+                if len(chunks) == 1:
+                    whole = grad_logits(0, chunks[0], w, b).to(h.dtype)
+                else:
+                    whole = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
+                    for i, rows in enumerate(chunks):
+                        whole[rows] = grad_logits(i, rows, w, b)
                 grad_h, grad_w = whole @ w, whole.T @ h
                 grad_b = None if bias is None else whole.float().sum(0)
             else:
                 grad_h = torch.empty_like(h)
                 grad_w = torch.zeros(w.shape, device=h.device)
                 grad_b = None if bias is None else torch.zeros(w.shape[0], device=h.device)
-                for rows in chunks:
-                    g = grad_logits(rows, w, b).to(h.dtype)
+                for i, rows in enumerate(chunks):
+                    g = grad_logits(i, rows, w, b).to(h.dtype)
                     grad_h[rows] = g @ w
                     grad_w += g.T @ h[rows]
                     if bias is not None:
                         grad_b += g.float().sum(0)
         grad_b = None if bias is None else grad_b.to(bias.dtype)
-        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None
+        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None, None
 
 
 def _logits(h, w, b, temperature):
