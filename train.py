@@ -93,6 +93,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from buffer.staleness import StalenessGate, engine_slots, lane_slots
     from engines.arch import engine_path
     from evaluate import longest_request
+    from launch.forkserver import wait_for_imports
     from launch.heartbeat import Allowance, Heartbeats
     from launch.plan import cores_for, free_port, pin_threads
     from launch.setup import RunSetup
@@ -152,6 +153,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype) for w in range(workers)]
     # perf/learner_mfu's CPU peak, measured while nothing else computes (a GPU's: by its trainer rank)
     device = plan.placement(0).device
+    if device.type == "cpu" and ctx is not None and ctx.get_start_method() == "forkserver":
+        wait_for_imports()
     peak = learner_peak(device, cfg.train.autocast, cores.most("trainer")) if device.type == "cpu" else None
     port = free_port()
     start = time.time()

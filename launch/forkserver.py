@@ -17,7 +17,10 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import time
 from multiprocessing import forkserver
+
+from launch.memory import children
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rollout worker and trainer rank imports. The rest of a model family's code (modeling_qwen2, ...) is
@@ -25,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("rollout", "trainer.loop", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama")
 _LAUNCHER = "RINGRL_FORKSERVER_LAUNCHER"  # set only in the environment the forkserver starts with: its parent's pid
+_STARTED: set[int] = set()  # in the launcher: the processes `context` started (the forkserver, a resource tracker)
 
 
 def context(device_type: str):
@@ -40,7 +44,9 @@ def context(device_type: str):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, saved["PYTHONPATH"]) if p)
     os.environ[_LAUNCHER] = str(os.getpid())
     try:
-        forkserver.ensure_running()
+        before = set(children(os.getpid()))
+        forkserver.ensure_running()  # the resource tracker too, when it is not running yet
+        _STARTED.update(set(children(os.getpid())) - before)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -48,6 +54,30 @@ def context(device_type: str):
             else:
                 os.environ[k] = v
     return ctx
+
+
+def wait_for_imports(quiet_s: float = 0.05, timeout_s: float = 120.0) -> None:
+    """Return once the forkserver has done its imports: its CPU time stands still for `quiet_s`. The launcher
+    measures its matmul peak after this, so that it has the cores to itself; no process can start from the
+    forkserver sooner anyway. The imports are usually done by then, but not on a fresh checkout, where the
+    forkserver also compiles every module."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        ticks = sum(_cpu_ticks(pid) for pid in _STARTED)
+        if ticks == last:
+            return
+        last = ticks
+        time.sleep(quiet_s)
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User and system CPU time of `pid` in clock ticks (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _die_with(launcher: int) -> None:

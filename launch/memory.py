@@ -2,7 +2,8 @@
 import os
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The live children of `pid` (an empty list once it is gone)."""
     kids = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -32,7 +33,7 @@ def tree_pss_mb(root: int | None = None) -> float:
     while todo:
         pid = todo.pop()
         total += _pss_kb(pid)
-        todo += _children(pid)
+        todo += children(pid)
     return total / 1024
 
 
@@ -46,7 +47,7 @@ def tree_peak_rss_mb(root: int | None = None) -> float:
                 peak = max([peak] + [int(line.split()[1]) for line in f if line.startswith("VmHWM:")])
         except OSError:
             pass
-        todo += _children(pid)
+        todo += children(pid)
     return peak / 1024
 
 
@@ -54,14 +55,14 @@ def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
     """The same total as `tree_pss_mb()`, split: this process alone ("launcher"), the subtree of each process in
     `names` under its name, wherever it sits below (a forkserver's children are the launcher's grandchildren),
     and the processes in between and the subtrees of others under "other", in MiB."""
-    parts, todo = {"launcher": _pss_kb(os.getpid()) / 1024}, _children(os.getpid())
+    parts, todo = {"launcher": _pss_kb(os.getpid()) / 1024}, children(os.getpid())
     while todo:
         pid = todo.pop()
         if pid in names:
             parts[names[pid]] = parts.get(names[pid], 0.0) + tree_pss_mb(pid)
         else:
             parts["other"] = parts.get("other", 0.0) + _pss_kb(pid) / 1024
-            todo += _children(pid)
+            todo += children(pid)
     return parts
 
 

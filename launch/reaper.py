@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from launch.memory import _children, remove_unmapped_semaphores
+from launch.memory import children, remove_unmapped_semaphores
 
 
 def started(pid: int) -> int | None:
@@ -25,13 +25,13 @@ def started(pid: int) -> int | None:
 
 def tree(root: int) -> dict[int, int]:
     """Every process below `root`, with its start time."""
-    seen, todo = {}, _children(root)
+    seen, todo = {}, children(root)
     while todo:
         pid = todo.pop()
         start = started(pid)
         if start is not None and pid not in seen:
             seen[pid] = start
-            todo += _children(pid)
+            todo += children(pid)
     return seen
 
 
