@@ -1,7 +1,7 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
-                               [--attention auto|segments|dense|both]
+                               [--attention auto|segments|dense|both] [--head-logits keep|both]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
@@ -17,9 +17,14 @@ packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_RO
 others through the dense mask), `segments` every row with one call per prompt and per completion
 (trainer/attention.py), `dense` every row through the [L, L] shared-prompt mask; `both` measures each dtype
 per segment and dense and ends with `segments_vs_dense=<dense s/step over segments'>` (bf16's, else fp32's).
+`--head-logits both`: one learner, its steps alternating between keeping the output head's logits for the backward
+(trainer/policy.py, the default while they fit in KEEP_LOGITS_BYTES) and recomputing them there, on the same batch;
+ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
+between runs).
 """
 import argparse
 import socket
+import statistics
 import time
 
 import torch
@@ -33,6 +38,7 @@ from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
 from trainer.batch import pack
 from trainer.learner import Learner
+from trainer.policy import _HeadLogprob
 
 
 def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
@@ -50,11 +56,7 @@ def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
 
 def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: bool,
             longest: int = 16) -> tuple[float, int, int, object]:
-    train = TrainConfig(batch_groups=8, micro_groups=8, micro_tokens=4096, lr=1e-6, grad_clip=1.0,
-                        autocast="bfloat16" if autocast else "none", compile=compile)
-    learner = Learner(model_path=path, train=train, algo=algos.get(algo).Config(),
-                      rollout=RolloutConfig(group_size=8, max_new_tokens=longest, temperature=1.0))
-    data = batch(tokenizer, longest=longest)
+    learner, data = _learner(path, tokenizer, autocast, algo, compile, longest)
     start = time.perf_counter()
     learner.step(data, 1)  # warm-up
     if compile:
@@ -65,6 +67,34 @@ def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: boo
     elapsed = (time.perf_counter() - start) / steps
     params = sum(p.numel() for p in learner.policy.parameters())
     return elapsed, data.num_tokens, params, learner.policy.lm.config
+
+
+def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest: int):
+    train = TrainConfig(batch_groups=8, micro_groups=8, micro_tokens=4096, lr=1e-6, grad_clip=1.0,
+                        autocast="bfloat16" if autocast else "none", compile=compile)
+    learner = Learner(model_path=path, train=train, algo=algos.get(algo).Config(),
+                      rollout=RolloutConfig(group_size=8, max_new_tokens=longest, temperature=1.0))
+    return learner, batch(tokenizer, longest=longest)
+
+
+def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
+    """Recompute's median s/step over keep's, their steps alternating on one learner and batch."""
+    learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
+    learner.step(data, 1)  # warm-up
+    keep, times = _HeadLogprob.KEEP_LOGITS_BYTES, {"keep": [], "recompute": []}
+    try:
+        for step in range(2 * steps):
+            way = ("keep", "recompute")[(step + step // 2) % 2]  # keep, recompute, recompute, keep, ...
+            _HeadLogprob.KEEP_LOGITS_BYTES = keep if way == "keep" else 0
+            start = time.perf_counter()
+            learner.step(data, step + 2)
+            times[way].append(time.perf_counter() - start)
+    finally:
+        _HeadLogprob.KEEP_LOGITS_BYTES = keep
+    medians = {way: statistics.median(t) for way, t in times.items()}
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} head logits kept {medians['keep']:.2f} s/step, recomputed "
+          f"{medians['recompute']:.2f} s/step ({steps} steps each, alternated, {data.num_tokens} tokens)")
+    return medians["recompute"] / medians["keep"]
 
 
 def main():
@@ -79,6 +109,8 @@ def main():
                         help="rows: as the trainer, one call per segment, the dense mask, or both (compared)")
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
+    parser.add_argument("--head-logits", default="keep", choices=["keep", "both"],
+                        help="both: steps alternating between keeping the head's logits and recomputing them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -91,6 +123,12 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
     dtypes = bench_dtypes(args.dtypes)
+    if args.head_logits == "both":
+        ratios = [head_logits(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)
+                  for name in dtypes]
+        dist.destroy_process_group()
+        print(f"keep_vs_recompute={ratios[-1]:.2f}")
+        return
     cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
     ways = ["segments", "dense"] if args.attention == "both" else [args.attention]

@@ -45,3 +45,21 @@ def test_the_benches_run_bf16_only_where_the_cpu_has_it_unless_asked(monkeypatch
     assert bench_dtypes("fp32,bf16") == ["fp32", "bf16"]  # asked for: run as asked
     with pytest.raises(SystemExit, match="--dtypes 'fp16'"):
         bench_dtypes("fp16")
+
+
+def test_the_head_logits_comparison_alternates_both_ways_and_leaves_the_default(tiny_model_dir, monkeypatch):
+    """bench/train_step.py --head-logits both: steps alternate between kept and recomputed logits on one learner."""
+    from transformers import AutoTokenizer
+
+    import bench.train_step as train_step
+    from trainer.policy import _HeadLogprob
+
+    seen = []
+    step = train_step.Learner.step
+    monkeypatch.setattr(train_step.Learner, "step",
+                        lambda self, *a: seen.append(_HeadLogprob.KEEP_LOGITS_BYTES) or step(self, *a))
+    keep = _HeadLogprob.KEEP_LOGITS_BYTES
+    ratio = train_step.head_logits(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo", 8)
+    assert ratio > 0
+    assert seen == [keep, keep, 0, 0, keep]  # the warm-up, then keep, recompute, recompute, keep
+    assert _HeadLogprob.KEEP_LOGITS_BYTES == keep
