@@ -67,13 +67,15 @@ def test_the_launcher_waits_for_the_forkserver_s_imports(tmp_path):
 
 
 PEAK_WATCH = """
-import os, runpy, sys
+import multiprocessing, os, runpy, sys
 sys.path.insert(0, {root!r})
 import launch.forkserver
 import trainer.peak
 
 waited = []
 launch.forkserver.wait_for_imports = lambda: waited.append(True)
+# the launcher's context, without a forkserver importing beside this short test
+launch.forkserver.context = lambda device: multiprocessing.get_context("forkserver" if device == "cpu" else "spawn")
 
 def watched(*args):
     print("waited for the forkserver before measuring the peak:", waited == [True], flush=True)
