@@ -371,7 +371,7 @@ def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradi
     with torch.no_grad():  # the proximal and reference passes
         policy.head_logprobs(hidden, head, targets, 0.7)
     policy.head_logprobs(hidden, head, targets, 0.7)
-    assert kept_lists[0] is None and len(kept_lists[1]) == 8
+    assert kept_lists[0] is None and kept_lists[1].shape == (50, 300)
 
 
 @pytest.mark.parametrize("tied", [True, False])

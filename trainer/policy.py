@@ -87,12 +87,13 @@ class _HeadLogprob(torch.autograd.Function):
             out, lse = torch.empty(len(h), device=device), torch.empty(len(h), device=device)
             ent = torch.empty(len(h) if entropy else 0, device=device)
             # the backward's, when there is one and they are small: it then needs no second lm_head matmul
-            kept = [] if grad_enabled and any(ctx.needs_input_grad[:3]) and \
-                len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES else None
+            keep = grad_enabled and any(ctx.needs_input_grad[:3]) and \
+                len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
+            kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
             for rows in _chunks(len(h), w.shape[0], chunk):
                 logits = _logits(h[rows], w, b, temperature)
                 if kept is not None:
-                    kept.append(logits)
+                    kept[rows] = logits
                 lse[rows] = logits.logsumexp(-1)
                 out[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
                 if entropy:  # H = -sum_v p_v log p_v = lse - sum_v p_v logit_v
@@ -110,8 +111,8 @@ class _HeadLogprob(torch.autograd.Function):
 
         kept, ctx.kept = ctx.kept, None  # the forward's logits, overwritten below: a second backward recomputes
 
-        def grad_logits(i, rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
-            logits = kept[i] if kept else _logits(h[rows], w, b, temp)
+        def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            logits = kept[rows] if kept is not None else _logits(h[rows], w, b, temp)
             g = logits.sub_(lse[rows, None]).exp_().mul_(-scale[rows, None])
             return g.scatter_add_(-1, targets[rows, None], scale[rows, None])
 
@@ -120,20 +121,21 @@ class _HeadLogprob(torch.autograd.Function):
             b = None if bias is None else bias.to(h.dtype)
             chunks = _chunks(len(h), w.shape[0], ctx.chunk)
             if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
-                if len(chunks) == 1:
-                    whole = grad_logits(0, chunks[0], w, b).to(h.dtype)
-                else:
-                    whole = torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
-                    for i, rows in enumerate(chunks):
-                        whole[rows] = grad_logits(i, rows, w, b)
+                # in float32 the gradient takes the kept logits' place: no more memory than before they were kept
+                same = kept is not None and kept.dtype == h.dtype
+                whole = kept if same else torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
+                for rows in chunks:
+                    g = grad_logits(rows, w, b)
+                    if not same:
+                        whole[rows] = g
                 grad_h, grad_w = whole @ w, whole.T @ h
                 grad_b = None if bias is None else whole.float().sum(0)
             else:
                 grad_h = torch.empty_like(h)
                 grad_w = torch.zeros(w.shape, device=h.device)
                 grad_b = None if bias is None else torch.zeros(w.shape[0], device=h.device)
-                for i, rows in enumerate(chunks):
-                    g = grad_logits(i, rows, w, b).to(h.dtype)
+                for rows in chunks:
+                    g = grad_logits(rows, w, b).to(h.dtype)
                     grad_h[rows] = g @ w
                     grad_w += g.T @ h[rows]
                     if bias is not None:
