@@ -220,7 +220,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
             nodes.close()
         counts = {**_launcher_counts(shared.counters), **(nodes.metrics() if nodes else {})}
         write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each, sup.peak_rss_mb)
-        draw_curves(run_dir)
+        if cfg.curves:
+            draw_curves(run_dir)
     return error
 
 

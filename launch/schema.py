@@ -340,6 +340,7 @@ class Config:
     # fastest to reward (bench/time_to_reward.py); asynchrony pays where generation and training do not share them
     max_staleness: int = 0
     progress: bool = True  # progress bar on stderr (plain lines when stderr is not a terminal)
+    curves: bool = True  # curves.png when the run ends, about 2 s on a CPU (false: many short runs, as the tests make)
     logger: str = "none"  # none | tensorboard | wandb (W&B: $WANDB_MODE, else online if logged in, else offline)
     resume: str = ""  # a run directory: continue it in place from its latest checkpoint
     # The sections, in the order a run's config.yaml lists them:

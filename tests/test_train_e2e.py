@@ -33,6 +33,7 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
     assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]  # no GPU
     assert (tmp_path / "config.yaml").exists()
+    assert not (tmp_path / "curves.png").exists()  # curves=false (tests/helpers.py); drawn by default: below
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
     assert "time_to_reward_0.8" in summary and "step_to_reward_0.9" in summary
