@@ -20,7 +20,7 @@ import signal
 import time
 from multiprocessing import forkserver
 
-from launch.memory import children
+from launch.memory import children, stat_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rollout worker and trainer rank imports. The rest of a model family's code (modeling_qwen2, ...) is
@@ -72,11 +72,10 @@ def wait_for_imports(quiet_s: float = 0.05, timeout_s: float = 120.0) -> None:
 
 def _cpu_ticks(pid: int) -> int:
     """User and system CPU time of `pid` in clock ticks (0 once it is gone)."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
+        return int(fields[11]) + int(fields[12]) if fields else 0
+    except (IndexError, ValueError):
         return 0
 
 

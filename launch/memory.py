@@ -2,6 +2,15 @@
 import os
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (field 3, the state, first), or None once `pid` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def children(pid: int) -> list[int]:
     """The live children of `pid` (an empty list once it is gone)."""
     kids = []

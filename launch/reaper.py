@@ -11,15 +11,15 @@ import signal
 import sys
 import time
 
-from launch.memory import children, remove_unmapped_semaphores
+from launch.memory import children, remove_unmapped_semaphores, stat_fields
 
 
 def started(pid: int) -> int | None:
     """When `pid` started (clock ticks since boot): tells a process from a later one given the same pid."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 
