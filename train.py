@@ -106,11 +106,13 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from trainer.loop import TrainerArgs
     from trainer.loop import run as run_learner
     from trainer.peak import learner_peak
+    from trainer.policy import check_freeze_layers
 
     task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
     _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
+    _or_exit(check_freeze_layers, cfg.train.freeze_layers, facts.checked_config(model_path).num_hidden_layers)
     if task.env is not None:  # the chat template must render an episode turn by turn
         from envs.render import Renderer
 

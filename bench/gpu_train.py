@@ -102,7 +102,8 @@ def main():
     try:
         # The whole batch is one optimizer step of this rank's, in passes of at most micro_tokens.
         train = TrainConfig(batch_groups=args.groups, micro_groups=args.groups, micro_tokens=args.micro_tokens,
-                            lr=1e-6, autocast="none")  # the GPU placement computes in bf16 through FSDP2
+                            lr=1e-6, autocast="none",  # the GPU placement computes in bf16 through FSDP2
+                            freeze_embeddings=False)  # every weight trains: the 6 x parameters of MFU below
         learner = Learner(model_path=path, train=train, algo=algos.get("grpo").Config(),
                           rollout=RolloutConfig(group_size=K, max_new_tokens=args.completion_len),
                           rank=Rank(0, 1, port, placement))

@@ -2,10 +2,12 @@
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
                                [--attention auto|segments|dense|both] [--head-logits keep|both]
+                               [--freeze-embeddings as-default|both]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
 tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
-at most 4096 padded tokens, train.micro_tokens' default). MFU = 6 x parameters x tokens processed per second, over the
+at most 4096 padded tokens, train.micro_tokens' default). MFU = the model FLOPs of the tokens processed per second
+(6 x parameters a token, less what frozen weights skip: trainer/policy.py `train_flops_per_token`), over the
 peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
 model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
 bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
@@ -20,7 +22,9 @@ per segment and dense and ends with `segments_vs_dense=<dense s/step over segmen
 `--head-logits both`: one learner, its steps alternating between keeping the output head's logits for the backward
 (trainer/policy.py, the default while they fit in KEEP_LOGITS_BYTES) and recomputing them there, on the same batch;
 ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
-between runs).
+between runs). `--freeze-embeddings both`: two learners on the same batch, their steps alternating, with the input
+embeddings (and the head tied to them) frozen and trained; ends with `frozen_vs_trained=<trained's median s/step over
+frozen's>`.
 """
 import argparse
 import socket
@@ -38,7 +42,7 @@ from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
 from trainer.batch import pack
 from trainer.learner import Learner
-from trainer.policy import _HeadLogprob
+from trainer.policy import _HeadLogprob, train_flops_per_token
 
 
 def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
@@ -65,36 +69,66 @@ def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: boo
     for step in range(steps):
         learner.step(data, step + 2)
     elapsed = (time.perf_counter() - start) / steps
-    params = sum(p.numel() for p in learner.policy.parameters())
-    return elapsed, data.num_tokens, params, learner.policy.lm.config
+    return elapsed, data.num_tokens, train_flops_per_token(learner.policy.lm), learner.policy.lm.config
 
 
-def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest: int):
+def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest: int,
+             freeze_embeddings: bool | None = None):
+    """A learner as the default run's (train.freeze_embeddings too, unless given) on the bench's batch."""
+    frozen = {} if freeze_embeddings is None else {"freeze_embeddings": freeze_embeddings}
     train = TrainConfig(batch_groups=8, micro_groups=8, micro_tokens=4096, lr=1e-6, grad_clip=1.0,
-                        autocast="bfloat16" if autocast else "none", compile=compile)
+                        autocast="bfloat16" if autocast else "none", compile=compile, **frozen)
     learner = Learner(model_path=path, train=train, algo=algos.get(algo).Config(),
                       rollout=RolloutConfig(group_size=8, max_new_tokens=longest, temperature=1.0))
     return learner, batch(tokenizer, longest=longest)
 
 
+def _alternate(ways: dict, steps: int) -> dict:
+    """Median s/step of each of two ways (name -> a function of the step number that takes one), after a warm-up
+    step each, their steps alternating a, b, b, a, ... so that a drifting VM favours neither."""
+    names = list(ways)
+    for name in names:
+        ways[name](1)
+    times = {name: [] for name in names}
+    for step in range(2 * steps):
+        name = names[(step + step // 2) % 2]
+        start = time.perf_counter()
+        ways[name](step + 2)
+        times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
     """Recompute's median s/step over keep's, their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
-    learner.step(data, 1)  # warm-up
-    keep, times = _HeadLogprob.KEEP_LOGITS_BYTES, {"keep": [], "recompute": []}
+    keep = _HeadLogprob.KEEP_LOGITS_BYTES
+
+    def step_with(bound):
+        def step(n):
+            _HeadLogprob.KEEP_LOGITS_BYTES = bound
+            learner.step(data, n)
+        return step
+
     try:
-        for step in range(2 * steps):
-            way = ("keep", "recompute")[(step + step // 2) % 2]  # keep, recompute, recompute, keep, ...
-            _HeadLogprob.KEEP_LOGITS_BYTES = keep if way == "keep" else 0
-            start = time.perf_counter()
-            learner.step(data, step + 2)
-            times[way].append(time.perf_counter() - start)
+        medians = _alternate({"keep": step_with(keep), "recompute": step_with(0)}, steps)
     finally:
         _HeadLogprob.KEEP_LOGITS_BYTES = keep
-    medians = {way: statistics.median(t) for way, t in times.items()}
     print(f"{'bf16 autocast' if autocast else 'fp32':14s} head logits kept {medians['keep']:.2f} s/step, recomputed "
           f"{medians['recompute']:.2f} s/step ({steps} steps each, alternated, {data.num_tokens} tokens)")
     return medians["recompute"] / medians["keep"]
+
+
+def freeze_embeddings(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
+    """Trained embeddings' median s/step over frozen ones' (train.freeze_embeddings), two learners' steps
+    alternating on one batch."""
+    data = batch(tokenizer, longest=longest)
+    learners = {name: _learner(path, tokenizer, autocast, algo, False, longest, freeze_embeddings=frozen)[0]
+                for name, frozen in (("frozen", True), ("trained", False))}
+    medians = _alternate({name: lambda n, learner=learner: learner.step(data, n) for name, learner in learners.items()},
+                         steps)
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} embeddings frozen {medians['frozen']:.2f} s/step, trained "
+          f"{medians['trained']:.2f} s/step ({steps} steps each, alternated, {data.num_tokens} tokens)")
+    return medians["trained"] / medians["frozen"]
 
 
 def main():
@@ -111,6 +145,8 @@ def main():
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     parser.add_argument("--head-logits", default="keep", choices=["keep", "both"],
                         help="both: steps alternating between keeping the head's logits and recomputing them")
+    parser.add_argument("--freeze-embeddings", default="as-default", choices=["as-default", "both"],
+                        help="both: two learners' steps alternating, embeddings frozen and trained")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -123,12 +159,14 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
     dtypes = bench_dtypes(args.dtypes)
-    if args.head_logits == "both":
-        ratios = [head_logits(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)
-                  for name in dtypes]
-        dist.destroy_process_group()
-        print(f"keep_vs_recompute={ratios[-1]:.2f}")
-        return
+    for flag, compare, figure in (("head_logits", head_logits, "keep_vs_recompute"),
+                                  ("freeze_embeddings", freeze_embeddings, "frozen_vs_trained")):
+        if getattr(args, flag) == "both":
+            ratios = [compare(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)
+                      for name in dtypes]
+            dist.destroy_process_group()
+            print(f"{figure}={ratios[-1]:.2f}")
+            return
     cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
     ways = ["segments", "dense"] if args.attention == "both" else [args.attention]
@@ -137,12 +175,12 @@ def main():
     for autocast, dtype, compiled, way in cases:
         trainer.attention.MIN_ROW = {"auto": min_row, "segments": 0, "dense": 1 << 62}[way]
         peak = matmul_peak_flops(dtype)
-        seconds, tokens, params, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
+        seconds, tokens, flops_per_token, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
                                                   args.completion_len)
         if not compiled:
             by_way[way] = seconds
         ceiling = model_matmul_flops(config, tokens, dtype)
-        achieved = 6 * params * tokens / seconds
+        achieved = flops_per_token * tokens / seconds
         name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "") + \
             (f" {way}" if len(ways) > 1 else "")
         print(f"{name:22s} {tokens} tokens/step  {seconds:.2f} s/step  {tokens / seconds:.0f} tokens/s  "

@@ -223,11 +223,21 @@ class TrainConfig:
     # minutes (inductor caches it: seconds in later runs); pays off in runs of a hundred steps or more
     compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)  # train.lora.rank > 0: LoRA instead of full fine-tuning
+    # partial fine-tuning: the first N decoder layers are not trained (no gradient, no AdamW state; the backward
+    # stops above them)
+    freeze_layers: int = 0
+    # the input embeddings, and a head tied to them, are not trained: a fifth of SmolLM2-135M's weights, whose
+    # gradient and AdamW update cost a default step 0.8x as long; no more steps to 0.8 (docs/benchmarks.md)
+    freeze_embeddings: bool = True
 
     def check(self):
         self.lora.check()
         require(self.lora.base_dtype != "bfloat16" or self.autocast != "none", "train.lora.base_dtype",
                 "bfloat16 needs train.autocast=bfloat16 on the CPU (or base_dtype=float32)", self.lora.base_dtype)
+        require(self.freeze_layers >= 0, "train.freeze_layers", "must be >= 0", self.freeze_layers)
+        require(not self.lora.rank or not self.freeze_layers, "train.freeze_layers",
+                "LoRA already trains only its adapters: set train.lora.rank=0 or train.freeze_layers=0",
+                self.freeze_layers)
         require(self.batch_groups >= 1, "train.batch_groups", "must be >= 1", self.batch_groups)
         require(self.minibatches >= 1, "train.minibatches", "must be >= 1", self.minibatches)
         require(self.batch_groups % self.minibatches == 0, "train.minibatches",

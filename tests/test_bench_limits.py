@@ -61,5 +61,22 @@ def test_the_head_logits_comparison_alternates_both_ways_and_leaves_the_default(
     keep = _HeadLogprob.KEEP_LOGITS_BYTES
     ratio = train_step.head_logits(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo", 8)
     assert ratio > 0
-    assert seen == [keep, keep, 0, 0, keep]  # the warm-up, then keep, recompute, recompute, keep
+    assert seen == [keep, 0, keep, 0, 0, keep]  # a warm-up each, then keep, recompute, recompute, keep
     assert _HeadLogprob.KEEP_LOGITS_BYTES == keep
+
+
+def test_the_frozen_embeddings_comparison_alternates_two_learners(tiny_model_dir, monkeypatch):
+    """bench/train_step.py --freeze-embeddings both: two learners, one with frozen embeddings, steps alternating."""
+    from transformers import AutoTokenizer
+
+    import bench.train_step as train_step
+
+    seen = []
+    step = train_step.Learner.step
+    monkeypatch.setattr(train_step.Learner, "step", lambda self, *a: seen.append(
+        (self.train.freeze_embeddings, self.policy.lm.get_input_embeddings().weight.requires_grad)) or step(self, *a))
+    ratio = train_step.freeze_embeddings(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2,
+                                         "grpo", 8)
+    assert ratio > 0
+    frozen, trained = (True, False), (False, True)
+    assert seen == [frozen, trained, frozen, trained, trained, frozen]

@@ -56,9 +56,12 @@ def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None):
 
 def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2):
     """What train.minibatches = M means, written out: proximal logprobs of every minibatch at the starting
-    weights, then per minibatch a forward, the rule's loss normalised by that minibatch, clip, AdamW."""
+    weights, then per minibatch a forward, the rule's loss normalised by that minibatch, clip, AdamW; the
+    embeddings (and the head tied to them) frozen, as train.freeze_embeddings' default."""
     policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    policy.lm.get_input_embeddings().requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                                  fused=True)
     loss_fn = algos.get(algo.name).Loss(algo)
     size = batch.num_groups // minibatches
     parts = [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]

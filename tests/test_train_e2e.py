@@ -236,6 +236,7 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("task=gsm8k task.path={tmp}/nope.jsonl", "nope.jsonl"),
     ("task=gsm8k task.path={tmp}/garbage.jsonl", "garbage.jsonl"),
     ("rollout.max_prompt_len=3", "config key 'rollout.max_prompt_len' (3) is below every training prompt"),
+    ("train.freeze_layers=99", "train.freeze_layers=99: the model has"),
     ("resume={tmp}", "has no config.yaml"),
     ("cluster=gpu8", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
     ("rollout.engine=sglang", "rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin"),

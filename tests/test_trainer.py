@@ -209,8 +209,8 @@ def test_learner_mfu_is_model_flops_over_the_peak_at_the_step_s_threads():
     assert peak.at(1) == 1000.0 and peak.at(4) == 2500.0
     assert peak.at(2.5) == pytest.approx(1750.0)  # between two measured counts: linear
     assert peak.at(0.5) == 500.0 and peak.at(8) == 5000.0  # outside them: proportional to the threads
-    # 6 x 100 params x 50 tokens in 2 s = 15,000 FLOP/s, against 1,750 FLOP/s at 2.5 threads x 2 ranks
-    assert learner_mfu(100, 50, 2.0, peak, 2.5, 2) == pytest.approx(15000 / 3500)
+    # 600 FLOPs (6 x 100 params) x 50 tokens in 2 s = 15,000 FLOP/s, against 1,750 FLOP/s at 2.5 threads x 2 ranks
+    assert learner_mfu(600, 50, 2.0, peak, 2.5, 2) == pytest.approx(15000 / 3500)
     threads = torch.get_num_threads()
     measured = cpu_peak(torch.float32, 2, budget_s=0.02)
     assert [count for count, _ in measured.rates] == [1, 2] and torch.get_num_threads() == threads
@@ -392,3 +392,73 @@ def test_a_frozen_reference_held_in_bf16_gives_the_same_logprobs_under_autocast(
     assert all(m.weight.dtype == torch.bfloat16 for m in linears if m is not model.lm_head)
     assert model.lm_head.weight.dtype == (torch.float32 if tied else torch.bfloat16)
     assert model.get_input_embeddings().weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("whole", [1 << 30, 0])
+def test_a_frozen_head_s_backward_makes_only_the_hidden_rows_gradient(monkeypatch, whole):
+    """train.freeze_embeddings on a tied model freezes the head: its backward skips the weight's gradient (one
+    lm_head matmul fewer), and the hidden rows' gradient is the same bits, whole or chunk by chunk."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.policy import _HeadLogprob, head_logprobs
+
+    head, hidden, targets, weights = _head_case(bias=True)
+    monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)
+    monkeypatch.setattr(_HeadLogprob, "WHOLE_GRAD_BYTES", whole)
+    grads, flops = [], []
+    for trained in (True, False):
+        head.requires_grad_(trained)
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        out, _ = head_logprobs(h, head, targets, 0.7)
+        with FlopCounterMode(display=False) as counter:
+            (out * weights).sum().backward()
+        grads.append(h.grad)
+        flops.append(counter.get_total_flops())
+    assert head.weight.grad is None and head.bias.grad is None
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+    assert flops[1] == flops[0] // 2  # of its two [50, 16] x [16, 300] products, only the hidden rows' is left
+
+
+def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir):
+    """train.freeze_layers / train.freeze_embeddings: those weights keep their values and get no AdamW state, the
+    backward records nothing below the first trained layer, and the rest trains."""
+    import algos
+    from launch.config import compose, parse
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                      train=TrainConfig(autocast="none", lr=1e-2, freeze_layers=1, freeze_embeddings=True),
+                      rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+    lm = learner.policy.lm
+    frozen = {"model.embed_tokens.weight"} | {f"model.layers.0.{n}" for n, _ in lm.model.layers[0].named_parameters()}
+    before = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    recorded = []
+    lm.model.layers[0].register_forward_hook(lambda m, i, out: recorded.append(out[0].requires_grad))
+    lm.model.layers[1].register_forward_hook(lambda m, i, out: recorded.append(out[0].requires_grad))
+    learner.step(pack(_groups()), 1)
+    assert recorded == [False, True]
+    changed = {n for n, p in lm.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(before) - frozen and "model.layers.1.mlp.up_proj.weight" in changed
+    in_optimizer = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for n, p in lm.named_parameters() if n not in frozen}
+    with pytest.raises(ValueError, match="train.freeze_layers=3: the model has 2 decoder layers; freeze at most 2"):
+        Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                train=TrainConfig(autocast="none", freeze_layers=3), rollout=RolloutConfig(group_size=3))
+    with pytest.raises(ValueError, match="LoRA already trains only its adapters"):
+        parse(compose(["train.freeze_layers=2", "train.lora.rank=8"]))
+
+
+def test_the_model_flops_of_a_trained_token_count_only_the_backward_that_runs(tiny_model_dir):
+    """perf/learner_mfu's numerator: 6 x parameters when everything trains; frozen bottom layers save their share
+    of both backward products, a frozen tied embedding its weight's gradient."""
+    from trainer.policy import freeze, train_flops_per_token
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    params = sum(p.numel() for p in lm.parameters())
+    layer = sum(p.numel() for p in lm.model.layers[0].parameters())
+    embedding = lm.get_input_embeddings().weight.numel()
+    assert train_flops_per_token(lm) == 6 * params
+    freeze(lm, 1, embeddings=True)
+    assert train_flops_per_token(lm) == 2 * params + 2 * (params - layer) + 2 * (params - layer - embedding)

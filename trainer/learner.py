@@ -12,7 +12,7 @@ from heap import release_free_heap
 from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
 from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
-from trainer.policy import CPUPlacement, Placement, full_state, hold_frozen_in
+from trainer.policy import CPUPlacement, Placement, freeze, full_state, hold_frozen_in
 
 if TYPE_CHECKING:
     from launch.schema import RolloutConfig, TrainConfig
@@ -57,6 +57,8 @@ class Learner:
         # Under LoRA the base is always model_path: a resumed run reloads its adapter onto it.
         self.policy = place.load(model_path if adapters else init_path or model_path, rank.world_size,
                                  compile=train.compile, adapters=adapters)
+        if adapters is None and (train.freeze_layers or train.freeze_embeddings):  # LoRA's base is frozen already
+            freeze(self.policy.lm, train.freeze_layers, train.freeze_embeddings)
         if self.loss_fn.needs_reference and adapters is not None:
             self.reference = BasePolicy(self.policy)
         elif self.reference is not None and train.autocast == "bfloat16" and self.device.type == "cpu":

@@ -20,7 +20,7 @@ from trainer.checkpoint import save_checkpoint
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
 from trainer.peak import Peak, learner_mfu, learner_peak
-from trainer.policy import decoder_layers
+from trainer.policy import decoder_layers, train_flops_per_token
 
 if TYPE_CHECKING:
     from evaluate import Evaluator
@@ -113,7 +113,7 @@ class _Loop:
             follow_workers(decoder_layers(learner.policy.lm), cores, self.threads)
         # rank 0's row: the step's model FLOPs utilisation against a matmul peak; a GPU's measured here, before the
         # clock, a CPU's by the launcher before any process computed (measured here it would share the cores)
-        self.params = sum(p.numel() for p in learner.policy.parameters())
+        self.flops_per_token = train_flops_per_token(learner.policy.lm)
         self.peak = (args.peak or learner_peak(learner.device, learner.train.autocast, torch.get_num_threads())) \
             if self.lead else None
         self.start = time.time() - elapsed
@@ -201,7 +201,7 @@ class _Loop:
         last_time, last_tokens = self.last_row
         train_time = perf["perf/train_step_s"]
         threads = perf["perf/train_threads"] if self.learner.device.type == "cpu" else 1
-        mfu = learner_mfu(self.params, metrics["train/tokens"], train_time, self.peak, threads,
+        mfu = learner_mfu(self.flops_per_token, metrics["train/tokens"], train_time, self.peak, threads,
                           self.learner.rank.world_size)
         self.log.log({
             "step": step, "time_s": round(now - self.start, 3),

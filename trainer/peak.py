@@ -89,7 +89,8 @@ def learner_peak(device: torch.device, autocast: str, most_threads: int = 1) -> 
     return cpu_peak(torch.bfloat16 if autocast == "bfloat16" else torch.float32, most_threads)
 
 
-def learner_mfu(params: int, tokens: int, seconds: float, peak: Peak, threads: float, ranks: int) -> float:
-    """6 x parameters FLOPs a token processed (forward and backward), over the step's time, against the peak at
-    the step's mean thread count (CPU; pass 1 on a GPU) times the trainer ranks."""
-    return 6 * params * tokens / max(seconds, 1e-9) / (peak.at(threads) * ranks)
+def learner_mfu(flops_per_token: int, tokens: int, seconds: float, peak: Peak, threads: float, ranks: int) -> float:
+    """The model FLOPs of the tokens processed (trainer/policy.py `train_flops_per_token`: 6 x parameters when
+    every weight trains), over the step's time, against the peak at the step's mean thread count (CPU; pass 1 on a
+    GPU) times the trainer ranks."""
+    return flops_per_token * tokens / max(seconds, 1e-9) / (peak.at(threads) * ranks)

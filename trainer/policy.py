@@ -128,20 +128,25 @@ class _HeadLogprob(torch.autograd.Function):
                     g = grad_logits(rows, w, b)
                     if not same:
                         whole[rows] = g
-                grad_h, grad_w = whole @ w, whole.T @ h
-                grad_b = None if bias is None else whole.float().sum(0)
+                grad_h = whole @ w if ctx.needs_input_grad[0] else None
+                grad_w = whole.T @ h if ctx.needs_input_grad[1] else None  # none for a frozen head
+                grad_b = None if bias is None or not ctx.needs_input_grad[2] else whole.float().sum(0)
             else:
-                grad_h = torch.empty_like(h)
-                grad_w = torch.zeros(w.shape, device=h.device)
-                grad_b = None if bias is None else torch.zeros(w.shape[0], device=h.device)
+                need_h, need_w, need_b = ctx.needs_input_grad[:3]
+                grad_h = torch.empty_like(h) if need_h else None
+                grad_w = torch.zeros(w.shape, device=h.device) if need_w else None
+                grad_b = torch.zeros(w.shape[0], device=h.device) if bias is not None and need_b else None
                 for rows in chunks:
                     g = grad_logits(rows, w, b).to(h.dtype)
-                    grad_h[rows] = g @ w
-                    grad_w += g.T @ h[rows]
-                    if bias is not None:
+                    if need_h:
+                        grad_h[rows] = g @ w
+                    if need_w:
+                        grad_w += g.T @ h[rows]
+                    if grad_b is not None:
                         grad_b += g.float().sum(0)
-        grad_b = None if bias is None else grad_b.to(bias.dtype)
-        return grad_h.to(ctx.hidden_dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None, None
+        return (None if grad_h is None else grad_h.to(ctx.hidden_dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
 def _logits(h, w, b, temperature):
@@ -172,6 +177,38 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
         if isinstance(module, nn.ModuleList) and len(module) == count:
             return module
     raise ValueError(f"found no list of {count} decoder layers in {type(lm).__name__}; FSDP2 shards per layer")
+
+
+def freeze(lm: nn.Module, layers: int, embeddings: bool) -> None:
+    """Partial fine-tuning, in place: the first `layers` decoder layers, and with `embeddings` the input
+    embeddings (so an output head tied to them), get no gradient. Below the lowest trained weight autograd
+    records nothing, so the backward stops there."""
+    stack = decoder_layers(lm)
+    check_freeze_layers(layers, len(stack))
+    for layer in stack[:layers]:
+        layer.requires_grad_(False)
+    if embeddings:
+        lm.get_input_embeddings().requires_grad_(False)
+
+
+def check_freeze_layers(layers: int, count: int) -> None:
+    """train.freeze_layers against the model's `count` decoder layers (the launcher checks before any process)."""
+    if layers > count:
+        raise ValueError(f"train.freeze_layers={layers}: the model has {count} decoder layers; freeze at most {count}")
+
+
+def train_flops_per_token(lm: nn.Module) -> int:
+    """A trained token's model FLOPs: 2 x parameters in the forward; in the backward, 2 x the parameters it
+    passes through (the inputs' gradients, down to the lowest layer with a trained weight) and 2 x the trained
+    ones (their own gradients). 6 x parameters when every weight trains; less under freeze_layers or LoRA."""
+    params = sum(p.numel() for p in lm.parameters())
+    trained = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    below = 0
+    for layer in decoder_layers(lm):
+        if any(p.requires_grad for p in layer.parameters()):
+            break
+        below += sum(p.numel() for p in layer.parameters())
+    return 2 * params + 2 * (params - below) + 2 * trained
 
 
 def compile_stack(policy: nn.Module) -> None:
