@@ -462,3 +462,34 @@ def test_the_model_flops_of_a_trained_token_count_only_the_backward_that_runs(ti
     assert train_flops_per_token(lm) == 6 * params
     freeze(lm, 1, embeddings=True)
     assert train_flops_per_token(lm) == 2 * params + 2 * (params - layer) + 2 * (params - layer - embedding)
+
+
+def test_resuming_with_other_frozen_weights_than_the_checkpoint_s_is_refused(tiny_model_dir):
+    """A checkpoint's AdamW state for a weight this run freezes would be dropped without a word (torch's
+    set_optimizer_state_dict skips it): resume= from a run that trained its embeddings needs freeze_embeddings=false."""
+    import algos
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    def learner(frozen: bool) -> Learner:
+        return Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
+                       train=TrainConfig(autocast="none", freeze_embeddings=frozen),
+                       rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+
+    import torch.distributed as dist
+
+    from launch.plan import free_port
+    from trainer.policy import init_gloo
+
+    init_gloo(0, 1, free_port())  # the optimizer's state dict is a collective under FSDP2, a group of one here
+    try:
+        trained_all = learner(False).optimizer_state()
+        assert "lm.model.embed_tokens.weight" in trained_all["state"]
+        learner(False).load_optimizer_state(trained_all)  # the same weights: loads
+        with pytest.raises(ValueError, match=r"the checkpoint trained lm.model.embed_tokens.weight \(1 weights\), "
+                                             r"which this run freezes; .*train.freeze_embeddings=false"):
+            learner(True).load_optimizer_state(trained_all)
+        with pytest.raises(ValueError, match="the checkpoint did not train lm.model.embed_tokens.weight"):
+            learner(False).load_optimizer_state(learner(True).optimizer_state())
+    finally:
+        dist.destroy_process_group()

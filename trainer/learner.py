@@ -224,9 +224,28 @@ class Learner:
         return get_optimizer_state_dict(self.policy, self.optimizer, options=_FULL)
 
     def load_optimizer_state(self, state: dict) -> None:
+        """AdamW's state from a checkpoint (rank 0's `state`; the others pass {}). Refused in one line when the
+        checkpoint trained other weights than this run does (train.freeze_embeddings or train.freeze_layers changed):
+        torch would drop the moments of a weight now frozen without a word."""
+        if state:
+            trained = {_plain(n) for n, p in self.policy.named_parameters() if p.requires_grad}
+            saved = {_plain(n) for n in state["state"]}
+            if saved != trained:
+                odd = sorted(saved - trained) or sorted(trained - saved)
+                raise ValueError(
+                    f"resume: the checkpoint {'trained' if saved - trained else 'did not train'} {odd[0]} "
+                    f"({len(odd)} weights), which this run {'freezes' if saved - trained else 'trains'}; resume with "
+                    "the run's own train.freeze_embeddings and train.freeze_layers (a run from before they existed "
+                    "trained every weight: train.freeze_embeddings=false)")
         set_optimizer_state_dict(self.policy, self.optimizer, state, options=_FULL_FROM_RANK0)
 
     def publish(self, publish, version: int) -> None:
         """All ranks gather the full weights (a collective) and hand them to `publish`, the weight path's trainer
         end (rank 0 ships them)."""
         publish(full_state(self.policy), version)
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without the wrappers' segments (activation checkpointing, torch.compile), as the
+    optimizer's state dict names it."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
