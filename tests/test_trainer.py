@@ -486,10 +486,10 @@ def test_resuming_with_other_frozen_weights_than_the_checkpoint_s_is_refused(tin
         trained_all = learner(False).optimizer_state()
         assert "lm.model.embed_tokens.weight" in trained_all["state"]
         learner(False).load_optimizer_state(trained_all)  # the same weights: loads
-        with pytest.raises(ValueError, match=r"the checkpoint trained lm.model.embed_tokens.weight \(1 weights\), "
+        with pytest.raises(ValueError, match=r"the checkpoint trained model.embed_tokens.weight \(1 weights\), "
                                              r"which this run freezes; .*train.freeze_embeddings=false"):
             learner(True).load_optimizer_state(trained_all)
-        with pytest.raises(ValueError, match="the checkpoint did not train lm.model.embed_tokens.weight"):
+        with pytest.raises(ValueError, match="the checkpoint did not train model.embed_tokens.weight"):
             learner(False).load_optimizer_state(learner(True).optimizer_state())
     finally:
         dist.destroy_process_group()

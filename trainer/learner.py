@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import algos
+from engines.buckets import engine_name
 from heap import release_free_heap
 from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
@@ -228,8 +229,8 @@ class Learner:
         checkpoint trained other weights than this run does (train.freeze_embeddings or train.freeze_layers changed):
         torch would drop the moments of a weight now frozen without a word."""
         if state:
-            trained = {_plain(n) for n, p in self.policy.named_parameters() if p.requires_grad}
-            saved = {_plain(n) for n in state["state"]}
+            trained = {engine_name(n) for n, p in self.policy.named_parameters() if p.requires_grad}
+            saved = {engine_name(n) for n in state["state"]}  # both without the wrappers' segments
             if saved != trained:
                 odd = sorted(saved - trained) or sorted(trained - saved)
                 raise ValueError(
@@ -243,9 +244,3 @@ class Learner:
         """All ranks gather the full weights (a collective) and hand them to `publish`, the weight path's trainer
         end (rank 0 ships them)."""
         publish(full_state(self.policy), version)
-
-
-def _plain(name: str) -> str:
-    """A parameter's name without the wrappers' segments (activation checkpointing, torch.compile), as the
-    optimizer's state dict names it."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
