@@ -102,11 +102,11 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from launch.supervisor import Supervisor
     from rollout import RolloutArgs
     from rollout import run as run_worker
+    from trainer.freeze import check_freeze_layers
     from trainer.learner import Rank
     from trainer.loop import TrainerArgs
     from trainer.loop import run as run_learner
     from trainer.peak import learner_peak
-    from trainer.policy import check_freeze_layers
 
     task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)

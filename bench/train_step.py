@@ -41,8 +41,9 @@ from buffer.ring import Group
 from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
 from trainer.batch import pack
+from trainer.freeze import train_flops_per_token
 from trainer.learner import Learner
-from trainer.policy import _HeadLogprob, train_flops_per_token
+from trainer.policy import _HeadLogprob
 
 
 def batch(tokenizer, groups=8, k=8, seed=0, longest=16):

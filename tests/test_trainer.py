@@ -453,7 +453,7 @@ def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir
 def test_the_model_flops_of_a_trained_token_count_only_the_backward_that_runs(tiny_model_dir):
     """perf/learner_mfu's numerator: 6 x parameters when everything trains; frozen bottom layers save their share
     of both backward products, a frozen tied embedding its weight's gradient."""
-    from trainer.policy import freeze, train_flops_per_token
+    from trainer.freeze import freeze, train_flops_per_token
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in lm.parameters())

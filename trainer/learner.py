@@ -12,8 +12,9 @@ from engines.buckets import engine_name
 from heap import release_free_heap
 from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
+from trainer.freeze import freeze
 from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
-from trainer.policy import CPUPlacement, Placement, freeze, full_state, hold_frozen_in
+from trainer.policy import CPUPlacement, Placement, full_state, hold_frozen_in
 
 if TYPE_CHECKING:
     from launch.schema import RolloutConfig, TrainConfig

@@ -17,10 +17,11 @@ from launch.cores import Threads, follow_workers, step_runs_alone
 from launch.shared import EPISODE_COUNTERS, SANDBOX_KILLS, Shared
 from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
+from trainer.freeze import train_flops_per_token
 from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
 from trainer.peak import Peak, learner_mfu, learner_peak
-from trainer.policy import decoder_layers, train_flops_per_token
+from trainer.policy import decoder_layers
 
 if TYPE_CHECKING:
     from evaluate import Evaluator
