@@ -3,8 +3,10 @@
 A `Loss` is built from its Config and called on one `MicroBatch`; it returns `(loss, metrics)` where `loss`
 is this micro-batch's share of the whole batch's loss (the trainer sums the shares and backpropagates each).
 Class attributes tell the trainer what to provide: `needs_reference`, `needs_proximal`; optionally
-`sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks) and `summed_metrics` (metric
-keys that are counts, summed over micro-batches and ranks instead of averaged).
+`sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks), `summed_metrics` (metric
+keys that are counts, summed over micro-batches and ranks instead of averaged) and `tied_groups_learn_nothing`
+(true where a group whose K rewards all tie has zero advantage, so no loss and no gradient: the trainer then
+leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as before).
 Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths (`algo=<name>` finds it by its file;
 conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml sets train.lr).
 """
@@ -109,6 +111,7 @@ class PGLoss:
     def __init__(self, cfg: PGConfig):
         self.cfg = cfg
         self.needs_proximal = cfg.correction != "none"
+        self.tied_groups_learn_nothing = True  # A_i = 0 on a tie, and each term is a multiple of A_i
 
 
 def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor, adv: torch.Tensor) -> dict:

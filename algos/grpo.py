@@ -68,6 +68,10 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer_frac: fl
 
 
 class Loss(PGLoss):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.tied_groups_learn_nothing = cfg.overlong_buffer_frac == 0  # the length shaping can untie a group
+
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         rewards, shaping = mb.rewards, {}

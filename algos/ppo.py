@@ -62,6 +62,7 @@ class Loss:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.needs_proximal = cfg.decoupled
+        self.tied_groups_learn_nothing = True  # A_i = 0 on a tie, and so is every token's term
 
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg

@@ -30,6 +30,7 @@ class Loss:
         self.cfg = cfg
         self.needs_reference = cfg.kl_coef > 0
         self.needs_proximal = cfg.correction != "none"
+        self.tied_groups_learn_nothing = cfg.kl_coef == 0  # the KL penalty can untie a group's rewards
 
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         k = mb.group_size

@@ -103,7 +103,8 @@ def main():
         # The whole batch is one optimizer step of this rank's, in passes of at most micro_tokens.
         train = TrainConfig(batch_groups=args.groups, micro_groups=args.groups, micro_tokens=args.micro_tokens,
                             lr=1e-6, autocast="none",  # the GPU placement computes in bf16 through FSDP2
-                            freeze_embeddings=False)  # every weight trains: the 6 x parameters of MFU below
+                            freeze_embeddings=False,  # every weight trains: the 6 x parameters of MFU below
+                            skip_tied_groups=False)  # and every group's pass runs, a tie in the rewards or not
         learner = Learner(model_path=path, train=train, algo=algos.get("grpo").Config(),
                           rollout=RolloutConfig(group_size=K, max_new_tokens=args.completion_len),
                           rank=Rank(0, 1, port, placement))

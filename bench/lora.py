@@ -50,7 +50,8 @@ def one(args) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     groups = 8 if args.model == "smollm2-135m" else 1
     train = TrainConfig(batch_groups=groups, micro_groups=8, micro_tokens=4096, lr=1e-5, autocast=autocast,
-                        lora=LoraConfig(rank=args.rank if lora else 0, base_dtype=base))
+                        lora=LoraConfig(rank=args.rank if lora else 0, base_dtype=base),
+                        skip_tied_groups=False)  # every group's pass runs, a tie in the random rewards or not
     learner = Learner(model_path=path, train=train, algo=algos.get(args.algo).Config(),
                       rollout=RolloutConfig(group_size=8, max_new_tokens=16, temperature=1.0))
     data = batch(tokenizer, groups=groups)

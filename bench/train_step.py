@@ -78,7 +78,8 @@ def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest:
     """A learner as the default run's (train.freeze_embeddings too, unless given) on the bench's batch."""
     frozen = {} if freeze_embeddings is None else {"freeze_embeddings": freeze_embeddings}
     train = TrainConfig(batch_groups=8, micro_groups=8, micro_tokens=4096, lr=1e-6, grad_clip=1.0,
-                        autocast="bfloat16" if autocast else "none", compile=compile, **frozen)
+                        autocast="bfloat16" if autocast else "none", compile=compile, **frozen,
+                        skip_tied_groups=False)  # every group's pass runs, a tie in the random rewards or not
     learner = Learner(model_path=path, train=train, algo=algos.get(algo).Config(),
                       rollout=RolloutConfig(group_size=8, max_new_tokens=longest, temperature=1.0))
     return learner, batch(tokenizer, longest=longest)

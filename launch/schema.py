@@ -229,6 +229,10 @@ class TrainConfig:
     # the input embeddings, and a head tied to them, are not trained: a fifth of SmolLM2-135M's weights, whose
     # gradient and AdamW update cost a default step 0.8x as long; no more steps to 0.8 (docs/benchmarks.md)
     freeze_embeddings: bool = True
+    # leave out of the forward and backward the groups whose K rewards all tie, under a rule that gives them zero
+    # advantage (ppo, grpo, gspo, cispo, rloo: algos/__init__.py): the same update for less work; the per-token
+    # diagnostics (entropy, mismatch/*) are then over the groups trained on
+    skip_tied_groups: bool = True
 
     def check(self):
         self.lora.check()

@@ -9,30 +9,34 @@ import torch.multiprocessing as mp
 
 import algos
 from launch.schema import RolloutConfig, TrainConfig
+from tests.test_tied_groups import MIXED
+from tests.test_tied_groups import _groups as tied_groups
 from tests.test_trainer import _groups
 from trainer.batch import pack
 from trainer.learner import Learner, Rank
 from trainer.policy import full_state
 
 
-def _learner(model_dir, rank, world, port, algo="grpo", compile=False):
-    train = TrainConfig(batch_groups=2, micro_groups=1, lr=1e-3, grad_clip=100.0, autocast="none", compile=compile)
+def _learner(model_dir, rank, world, port, algo="grpo", compile=False, skip_tied=True):
+    train = TrainConfig(batch_groups=2, micro_groups=1, lr=1e-3, grad_clip=100.0, autocast="none", compile=compile,
+                        skip_tied_groups=skip_tied)
     return Learner(rank=Rank(rank, world, port), model_path=model_dir, train=train, algo=algos.get(algo).Config(),
                    rollout=RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0))
 
 
-def _one_step(rank, world, port, model_dir, out, algo="grpo", compile=False):
+def _one_step(rank, world, port, model_dir, out, algo="grpo", compile=False, rewards=None, skip_tied=True):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        learner = _learner(model_dir, rank, world, port, algo, compile)
-        batch = pack(_groups())
+        learner = _learner(model_dir, rank, world, port, algo, compile, skip_tied)
+        batch = pack(_groups() if rewards is None else tied_groups(rewards))
         batch.behav_logprobs -= 0.1  # off-policy data, so the clip and ratio matter
         metrics = learner.step(batch, 1)
         state = {name: t.detach().clone() for name, t in full_state(learner.policy)}
         if rank == 0:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled by dynamo in this process
-            torch.save({"state": state, "loss": metrics["loss"], "graphs": graphs}, out)
+            torch.save({"state": state, "loss": metrics["loss"], "graphs": graphs,
+                        "tied": metrics["train/tied_groups_skipped"]}, out)
     finally:
         dist.destroy_process_group()
 
@@ -57,6 +61,18 @@ def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
         assert torch.allclose(tensor, b["state"][name], atol=1e-6), name
         moved += not torch.equal(tensor, initial[name])
     assert moved > 0, "the step changed no weight"
+
+
+def test_two_ranks_leaving_tied_groups_out_match_one_rank_training_on_all(tiny_model_dir, tmp_path):
+    """Two of MIXED's four groups tie: each rank trains on one group, and the step is one rank's on all four."""
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    mp.spawn(_one_step, args=(1, _port(), tiny_model_dir, str(one), "ppo", False, MIXED, False), nprocs=1)
+    mp.spawn(_one_step, args=(2, _port(), tiny_model_dir, str(two), "ppo", False, MIXED, True), nprocs=2)
+    a, b = torch.load(one), torch.load(two)
+    assert (a["tied"], b["tied"]) == (0, 2)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+    for name, tensor in a["state"].items():
+        assert torch.allclose(tensor, b["state"][name], atol=1e-6), name
 
 
 @pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores

@@ -14,8 +14,8 @@ def _run(tmp_path, name, rows, summary):
     return str(run)
 
 
-def _compare(a, b):
-    return subprocess.run([sys.executable, "scripts/same_metrics.py", a, b], cwd=ROOT, capture_output=True,
+def _compare(a, b, *extra):
+    return subprocess.run([sys.executable, "scripts/same_metrics.py", a, b, *extra], cwd=ROOT, capture_output=True,
                           text=True)
 
 
@@ -36,3 +36,14 @@ def test_only_the_clock_and_memory_may_differ(tmp_path):
 
     shorter = _run(tmp_path, "shorter", [], summary)
     assert _compare(before, shorter).returncode == 1
+
+
+def test_a_metric_the_change_adds_is_left_out_only_when_named(tmp_path):
+    rows = [{"step": 1, "loss": 0.5}]
+    before = _run(tmp_path, "before", rows, {"steps": 1})
+    after = _run(tmp_path, "after", [dict(rows[0], **{"train/new": 0})], {"steps": 1})
+    assert _compare(before, after).returncode == 1  # not named: a difference
+    named = _compare(before, after, "--added", "train/new,other")
+    assert named.returncode == 0 and named.stdout.strip().endswith("same: 2 rows, 2 keys a row"), named.stdout
+    had = _run(tmp_path, "had", [dict(rows[0], **{"train/new": 1})], {"steps": 1})
+    assert _compare(had, after, "--added", "train/new").returncode == 1  # present before: still compared

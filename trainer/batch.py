@@ -39,15 +39,35 @@ class Batch:
     def groups(self, start: int, stop: int) -> "Batch":
         """Groups [start, stop) as a smaller batch, trimmed to its own longest row and completion."""
         k = self.group_size
-        seqs = slice(start * k, stop * k)
+        return self._rows(slice(start, stop), slice(start * k, stop * k), stop - start)
+
+    def take(self, index: list[int]) -> "Batch":
+        """The groups at `index`, in that order, as a smaller batch (copies), trimmed as `groups` trims."""
+        rows = torch.tensor(index, dtype=torch.long)
+        seqs = (rows[:, None] * self.group_size + torch.arange(self.group_size)).reshape(-1)
+        return self._rows(rows, seqs, len(index))
+
+    def _rows(self, rows, seqs, count: int) -> "Batch":
+        k = self.group_size
         t = max(int(self.lens[seqs].max()), 1)
-        seg = self.segments[start:stop]
+        seg = self.segments[rows]
         length = int((seg != PAD).sum(1).max())
         steps = self.mask.shape[1]
-        gather = self.gather[start:stop].view(-1, k, steps)[:, :, :t].reshape(stop - start, k * t)
-        return Batch(self.input_ids[start:stop, :length], self.position_ids[start:stop, :length], seg[:, :length],
+        gather = self.gather[rows].view(-1, k, steps)[:, :, :t].reshape(count, k * t)
+        return Batch(self.input_ids[rows, :length], self.position_ids[rows, :length], seg[:, :length],
                      gather, self.targets[seqs, :t], self.mask[seqs, :t], self.behav_logprobs[seqs, :t],
                      self.versions[seqs, :t], self.rewards[seqs], self.lens[seqs], k)
+
+    def untied(self, multiple: int) -> list[int]:
+        """The groups whose K rewards do not all tie, in order, topped up with the first tied ones to a positive
+        multiple of `multiple` (the ranks: each takes an equal share): under a rule whose advantage is zero on a
+        tie, the groups left out add nothing to the loss or its gradient."""
+        rewards = self.rewards.view(-1, self.group_size)
+        tied = (rewards == rewards[:, :1]).all(1).tolist()
+        keep = [g for g, t in enumerate(tied) if not t]
+        spare = [g for g, t in enumerate(tied) if t]
+        short = -len(keep) % multiple or (multiple if not keep else 0)
+        return sorted(keep + spare[:short])
 
     def to(self, device) -> "Batch":
         """The same batch on `device` (itself, tensor by tensor, when it is already there)."""

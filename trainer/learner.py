@@ -70,6 +70,8 @@ class Learner:
                                            betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
                                            weight_decay=train.weight_decay, fused=True)
         self._allocate_optimizer_state()
+        # a group whose rewards all tie adds nothing under this rule: its forward and backward are left out
+        self.skips_tied = train.skip_tied_groups and getattr(self.loss_fn, "tied_groups_learn_nothing", False)
         self.skipped = 0
         self.bad_in_row = 0
         self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
@@ -107,26 +109,35 @@ class Learner:
         count = self.train.minibatches
         size = batch.num_groups // count
         minibatches = [batch] if count == 1 else [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
+        totals = [(mb.targets.shape[0], int(mb.mask.sum())) for mb in minibatches]  # the loss's denominators
+        tied = 0
+        if self.skips_tied:
+            kept = [mb.untied(self.rank.world_size) for mb in minibatches]
+            tied = sum(mb.num_groups - len(index) for mb, index in zip(minibatches, kept))
+            minibatches = [mb if len(index) == mb.num_groups else mb.take(index)
+                           for mb, index in zip(minibatches, kept)]
         plans = [self._passes(mb) for mb in minibatches]
         stats = OffPolicyStats(version=step - 1)
         # One minibatch: its forward runs on the weights before the update, so the proximal logprobs are that
         # forward's own, detached. More: one no-grad pass over the batch first, before anything changes.
         prox = self._proximal(minibatches, plans, stats) if count > 1 else [None]
-        rows = [self._update(mb, passes, step, mb_prox, stats if count == 1 else None)
-                for mb, passes, mb_prox in zip(minibatches, plans, prox)]
+        rows = [self._update(mb, passes, step, mb_prox, stats if count == 1 else None, total)
+                for mb, passes, mb_prox, total in zip(minibatches, plans, prox, totals)]
         out = rows[0]
         if count > 1:  # means over the minibatches, but counts add up
             summed = {"train/tokens", *getattr(self.loss_fn, "summed_metrics", ())}
             out = {k: sum(row[k] for row in rows) / (1 if k in summed else count) for k in rows[0]}
         out["train/skipped_steps"] = self.skipped
+        out["train/tied_groups_skipped"] = tied
         if self.device.type == "cpu" and batch.input_ids.numel() >= HEAP_RELEASE_TOKENS:
             # now rather than at the next pass: the engines generating the next batch, and an evaluation, use them
             release_free_heap()
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
-    def _update(self, batch: Batch, passes, step: int, prox, stats) -> dict:
-        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)."""
-        loss, metrics, tokens = self._forward_backward(batch, passes, step, prox, stats)
+    def _update(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]) -> dict:
+        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)
+        and the sequences and tokens of the whole minibatch, tied groups included (the loss's denominators)."""
+        loss, metrics, tokens = self._forward_backward(batch, passes, step, prox, stats, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if bool(torch.isfinite(loss) and torch.isfinite(grad_norm)):
@@ -181,7 +192,7 @@ class Learner:
                 prox[-1].append(logprobs)
         return prox
 
-    def _forward_backward(self, batch: Batch, passes, step: int, prox, stats):
+    def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
         world_size = self.rank.world_size
         total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
         for i, (start, stop) in enumerate(passes):
@@ -201,8 +212,8 @@ class Learner:
                 mb_prox = logprobs.detach() if prox is None else prox[i]
             loss, metrics = self.loss_fn(algos.MicroBatch(
                 logprobs=logprobs, behav_logprobs=mb.behav_logprobs, mask=mb.mask, rewards=mb.rewards,
-                group_size=self.rollout.group_size, batch_sequences=batch.targets.shape[0],
-                batch_tokens=int(batch.mask.sum()), max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
+                group_size=self.rollout.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
+                max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
                 ref_logprobs=ref, prox_logprobs=mb_prox))
             # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back up.
             (loss * world_size).backward()
