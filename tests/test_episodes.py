@@ -219,9 +219,9 @@ def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tiny_mode
     assert engine.resumed == 2 and engine.resume_misses == 0  # each later turn prefilled only its new tokens
     group = to_group([episode, episode], [1.0, 1.0], 0, 0, 0)
     assert group.min_version() == 0  # staleness is the oldest sampled token's
-    from trainer.loop import _episodes
+    from trainer.row_metrics import episodes
 
-    assert _episodes([group])["episode/version_spread_max"] == 1
+    assert episodes([group])["episode/version_spread_max"] == 1
 
 
 @dataclass

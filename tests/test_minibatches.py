@@ -213,14 +213,14 @@ def test_rules_without_a_proximal_policy_still_get_it_per_batch(tiny_model_dir):
 
 
 def test_kept_and_dropped_groups_are_described_apart():
-    from trainer.loop import _kept_and_dropped
+    from trainer.row_metrics import kept_and_dropped
 
     kept, dropped = _groups(2, seed=3), _groups(1, seed=4)
-    got = _kept_and_dropped(kept, dropped)
+    got = kept_and_dropped(kept, dropped)
     lens = [int(n) for g in kept for n in g.completion_lens]
     assert got["staleness/kept_len"] == pytest.approx(sum(lens) / len(lens))
     assert got["staleness/dropped_reward"] == pytest.approx(dropped[0].rewards.mean().item())
-    assert "staleness/dropped_len" not in _kept_and_dropped(kept, [])
+    assert "staleness/dropped_len" not in kept_and_dropped(kept, [])
 
 
 def test_adamw_state_is_made_before_the_first_step_and_changes_nothing(tiny_model_dir):

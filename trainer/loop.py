@@ -11,10 +11,10 @@ import torch.distributed as dist
 import algos
 from buffer.dynamic import DynamicSampling
 from buffer.replay import ReplayBuffer
-from buffer.ring import FINISH_REASONS
-from buffer.staleness import lag, too_old
+from buffer.staleness import too_old
 from launch.cores import Threads, follow_workers, step_runs_alone
-from launch.shared import EPISODE_COUNTERS, SANDBOX_KILLS, Shared
+from launch.shared import EPISODE_COUNTERS, Shared
+from trainer import row_metrics
 from trainer.batch import Batch, pack
 from trainer.checkpoint import save_checkpoint
 from trainer.freeze import train_flops_per_token
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from launch.schema import Config
     from launch.setup import RunSetup
 
-WORKER_COUNTERS = ("restarts", "lost_groups", "prompts_truncated", "prompts_skipped")  # logged as rollout/<name>
 
 
 class Stopped(Exception):
@@ -166,9 +165,9 @@ class _Loop:
                 # included); staleness what is trained on
                 rewards = torch.cat([g.rewards for g in fresh + self.dynamic.dropped])
                 info = {"reward_mean": rewards.mean().item(),
-                        "staleness/dropped_groups": len(dropped), **_kept_and_dropped(fresh, dropped),
-                        **self.replay.stats(), **_staleness(groups, fresh, version), **self.dynamic.metrics(),
-                        **(_episodes(fresh) if self.multi_turn else {})}
+                        "staleness/dropped_groups": len(dropped), **row_metrics.kept_and_dropped(fresh, dropped),
+                        **self.replay.stats(), **row_metrics.staleness(groups, fresh, version),
+                        **self.dynamic.metrics(), **(row_metrics.episodes(fresh) if self.multi_turn else {})}
                 payload = (batch, info, {"perf/wait_s": wait_time, "perf/train_threads": self._step_threads()})
             except Stopped:
                 pass
@@ -195,7 +194,8 @@ class _Loop:
             results = self._evaluate(step)
         # After the last step the workers stop and none is restarted; the row counts every restart.
         shared = self.shared
-        counts = shared.finish.set(lambda: _counts(shared)) if step == self.steps else _counts(shared)
+        counts = (shared.finish.set(lambda: row_metrics.worker_counts(shared)) if step == self.steps
+                  else row_metrics.worker_counts(shared))
         if self.multi_turn:
             counts.update(self._episode_counts())
         now, tokens = time.time(), counts.pop("tokens")
@@ -213,7 +213,7 @@ class _Loop:
             "reward/batch_mean": batch.rewards.mean().item(),
             "perf/train_step_s": train_time, "perf/learner_mfu": mfu, "perf/wait_s": perf["perf/wait_s"],
             "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
-            **_peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
+            **row_metrics.peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
             **counts, **info, **metrics, **results,
         })
         self.last_row = (now, tokens)
@@ -310,73 +310,9 @@ class _Loop:
         return taken, dropped
 
 
-def _counts(shared: Shared) -> dict:
-    """The rollout workers' counters, summed, under their metric names ("tokens" for the throughput)."""
-    total = shared.counters.total
-    return {"tokens": total("tokens"), "reward/timeouts": total("reward_timeouts"),
-            "reward/errors": total("reward_errors"), **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
-            **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS},
-            **(shared.nodes.metrics() if shared.nodes is not None else {})}
-
-
-def _peak_memory(device: torch.device) -> dict:
-    """On a GPU: the most memory this rank's tensors have held so far, and what its allocator has reserved, in
-    GB (`torch.cuda.max_memory_*`: what an out-of-memory error is measured against). Nothing on the CPU, where
-    summary.json has the whole run's peak."""
-    if device.type != "cuda":
-        return {}
-    return {"perf/peak_gpu_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-            "perf/peak_gpu_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
-
-
 def _sampler(choice: str, algo: str) -> str:
     """`buffer.sampler=auto` takes the loss's own preference (TB replays; the policy-gradient rules do not)."""
     return getattr(algos.get(algo).Loss, "sampler", "fifo") if choice == "auto" else choice
-
-
-def _staleness(trained: list, taken: list, version: int) -> dict:
-    """Policy-version lag (of a group's oldest sampled token): staleness_* of the fresh groups trained on this
-    step, the data max_staleness bounds (all of a fifo batch; tba's recent share, whose replayed groups are
-    aged in buffer/age_*), and staleness/ring_* of the groups taken from the ring this step."""
-    lags = [lag(g, version) for g in trained if g.group_id >= 0] or [0]  # replayed groups have negative ids
-    ring = [lag(g, version) for g in taken] or [0]
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
-            "staleness/ring_mean": sum(ring) / len(ring), "staleness/ring_max": max(ring)}
-
-
-def _episodes(fresh: list) -> dict:
-    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, and the
-    spread of policy versions inside one episode (a weight update mid-episode is legal)."""
-    turns = torch.cat([g.turns for g in fresh]).float()
-    lens = torch.cat([g.completion_lens for g in fresh]).float()
-    finish = torch.cat([g.finish for g in fresh])
-    policy = env = 0
-    spreads = []
-    for g in fresh:
-        valid = torch.arange(g.completion_ids.shape[1]) < g.completion_lens[:, None]
-        sampled = valid & g.loss_mask
-        policy, env = policy + int(sampled.sum()), env + int((valid & ~g.loss_mask).sum())
-        for row, mask in zip(g.versions, sampled):
-            versions = row[mask]
-            spreads.append(int(versions.max() - versions.min()) if len(versions) else 0)
-    out = {"episode/turns_mean": turns.mean().item(), "episode/turns_max": turns.max().item(),
-           "episode/len_p50": lens.quantile(0.5).item(), "episode/len_p90": lens.quantile(0.9).item(),
-           "episode/len_max": lens.max().item(), "episode/policy_tokens": policy, "episode/env_tokens": env,
-           "episode/version_spread_mean": sum(spreads) / len(spreads), "episode/version_spread_max": max(spreads)}
-    for code, reason in enumerate(FINISH_REASONS):
-        out[f"episode/finish_{reason}"] = (finish == code).float().mean().item()
-    return out
-
-
-def _kept_and_dropped(kept: list, dropped: list) -> dict:
-    """Mean completion length and reward of the fresh groups kept and of those dropped for staleness (when any):
-    dropping the slow ones can tilt training towards short, easy completions."""
-    out = {}
-    for name, groups in (("kept", kept), ("dropped", dropped)):
-        if groups:
-            out[f"staleness/{name}_len"] = torch.cat([g.completion_lens for g in groups]).float().mean().item()
-            out[f"staleness/{name}_reward"] = torch.cat([g.rewards for g in groups]).mean().item()
-    return out
 
 
 def _broadcast(value):
