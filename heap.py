@@ -1,18 +1,46 @@
-"""The C heap: hand the pages of freed chunks back to the OS (glibc's malloc_trim). Used where a process frees a
-lot that it will not need for a while: the learner after a pass over long rows, an idle engine its blocked weights.
+"""The C heap: hand the pages of freed chunks back to the OS (glibc's malloc_trim), or keep them for the next
+chunks of their size (mallopt). Used where a process frees a lot that it will not need for a while (the learner
+after a pass over long rows, an idle engine its blocked weights), and where it will at once (short learner steps).
 """
 import ctypes
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc (macOS, musl)."""
+def _libc(name: str):
+    """A glibc function, or None where the C library is not glibc (macOS, musl)."""
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL("libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()
+_MALLOC_TRIM = _libc("malloc_trim")
+_MALLOPT = _libc("mallopt")
+# mallopt's parameters, and what glibc's own thresholds grow to (it sets them itself until a mallopt call)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+MMAP_MAX, MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX = 65536, 32 << 20, 64 << 20
+KEEP_TOP = 256 << 20  # with keep_freed_chunks(True): free space at the heap's top up to this size stays resident
+_kept = False
+
+
+def keep_freed_chunks(keep: bool) -> None:
+    """Whether large freed chunks stay resident for the next ones. glibc maps every chunk of 32 MB or more on its
+    own and unmaps it when it is freed, and gives the top of the heap back past a threshold, so the next step's
+    chunks fault their pages in again, zeroed by the kernel: a default learner step's logits and their gradient are
+    a few such chunks, 250-600 MB of faults a step. With `keep`, every chunk comes from the heap and up to KEEP_TOP
+    of free space stays at its top: the default run's learner time 0.89x, its trainer about 100 MB larger
+    (docs/benchmarks.md, "Faster to a reward", session 16). Off again (glibc's settings at their usual steady
+    values) for steps that hand the heap's free pages back anyway; a process that never keeps is left to glibc."""
+    global _kept
+    if _MALLOPT is None or keep == _kept:
+        return
+    _kept = keep
+    if keep:
+        _MALLOPT(M_MMAP_MAX, 0)
+        _MALLOPT(M_TRIM_THRESHOLD, KEEP_TOP)
+    else:
+        _MALLOPT(M_MMAP_MAX, MMAP_MAX)
+        _MALLOPT(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        _MALLOPT(M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX)
 
 
 def release_free_heap() -> None:

@@ -3,7 +3,8 @@
     python -m bench.lora [--threads 2] [--steps 3] [--algo ppo] [--rank 16] [--bf16] [--model smollm2-135m]
 
 A step is bench/train_step.py's: the default run's batch (8 prompts x 8 completions of up to 16 tokens), one
-forward, backward and AdamW step. Two learners: full fine-tuning and LoRA (`train.lora.rank`, all linear
+forward, backward and AdamW step. Two learners: "full", the default run's (every weight trains but the input
+embeddings and the head tied to them, `train.freeze_embeddings`), and LoRA (`train.lora.rank`, all linear
 layers), in fp32 as the default run on a CPU without bf16 matmul units; `--bf16` adds both under bf16 autocast,
 LoRA's base then held in bf16 (on a CPU without AMX or AVX-512 BF16, bf16 steps are many times slower). Peak memory is
 the process's peak resident set (the model, the optimizer state, the step's activations, Python and torch),

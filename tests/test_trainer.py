@@ -293,6 +293,42 @@ def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os()
     assert held - after > 120, (held, after)  # of the 195 MB freed
 
 
+KEEP = """
+import ctypes, resource, sys
+sys.path.insert(0, {root!r})
+from heap import keep_freed_chunks
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+for keep in {calls}:
+    keep_freed_chunks(keep)
+size = 64 << 20  # over glibc's largest mmap threshold (32 MB): mapped on its own unless kept
+p = libc.malloc(size); libc.memset(p, 1, size); libc.free(p)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+p = libc.malloc(size); libc.memset(p, 1, size)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("calls,kept", [((True,), True), ((), False), ((False,), False), ((True, False), False)])
+def test_a_kept_large_chunk_s_pages_are_not_faulted_in_again(calls, kept):
+    """heap.keep_freed_chunks(True): a 64 MB chunk freed and allocated again reuses its resident pages. Left to glibc,
+    or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages again."""
+    import os
+    import subprocess
+    import sys
+
+    import heap
+
+    if heap._MALLOPT is None:
+        pytest.skip("not glibc: no mallopt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    faults = int(subprocess.run([sys.executable, "-c", KEEP.format(root=root, calls=calls)], capture_output=True,
+                                text=True, check=True).stdout)
+    assert faults < 16 if kept else faults >= 32, faults  # 64 MB is 32 faults even in 2 MB transparent huge pages
+
+
 def _head_case(bias: bool):
     """An output head of 300 tokens over 16 dimensions, 50 hidden rows, their targets and per-row loss weights."""
     g = torch.Generator().manual_seed(0)

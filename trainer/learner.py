@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import algos
 from engines.buckets import engine_name
-from heap import release_free_heap
+from heap import keep_freed_chunks, release_free_heap
 from trainer.batch import PAD, Batch, micro_batches, pass_tokens
 from trainer.diagnostics import OffPolicyStats
 from trainer.freeze import freeze
@@ -24,7 +24,8 @@ _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=T
 
 
 # Passes of at least this many padded tokens hand the heap's free pages back first. A default-task pass (about 750
-# tokens) frees little, and faulting its pages in again would slow its short step (docs/benchmarks.md, "Memory").
+# tokens) frees little, and faulting its pages in again would slow its short step (docs/benchmarks.md, "Memory"):
+# a step below it keeps even its large chunks in the heap, for the next step (heap.py keep_freed_chunks).
 HEAP_RELEASE_TOKENS = 1024
 
 
@@ -106,6 +107,8 @@ class Learner:
         """Train on `batch`, the data for policy version step - 1: `train.minibatches` optimizer steps, each a
         forward/backward over this rank's share of its minibatch, a clip and an AdamW step (skipped if not
         finite). The proximal policy is the weights before the first of them."""
+        if self.device.type == "cpu":
+            keep_freed_chunks(batch.input_ids.numel() < HEAP_RELEASE_TOKENS)
         count = self.train.minibatches
         size = batch.num_groups // count
         minibatches = [batch] if count == 1 else [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
