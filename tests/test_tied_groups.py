@@ -6,6 +6,7 @@ import torch
 import algos
 from buffer.ring import Group
 from launch.schema import RolloutConfig, TrainConfig
+from tests.test_trainer import random_group
 from trainer.batch import pack
 from trainer.learner import Learner
 
@@ -14,18 +15,8 @@ K = 3
 
 def _groups(rewards: list[list[float]], seed=0) -> list[Group]:
     g = torch.Generator().manual_seed(seed)
-    groups = []
-    for index, group_rewards in enumerate(rewards):
-        lens = torch.randint(1, 7, (K,), generator=g)
-        ids = torch.zeros(K, 6, dtype=torch.long)
-        for i in range(K):
-            ids[i, : lens[i]] = torch.randint(3, 1000, (int(lens[i]),), generator=g)
-        groups.append(Group(
-            prompt_ids=torch.randint(3, 1000, (4 + index,), generator=g), completion_ids=ids, completion_lens=lens,
-            logprobs=-torch.rand(K, 6, generator=g), versions=torch.zeros(K, 6, dtype=torch.long),
-            rewards=torch.tensor(group_rewards), truncated=torch.zeros(K, dtype=torch.bool), prompt_index=index,
-            group_id=index, worker_id=0))
-    return groups
+    return [random_group(g, index, 4 + index, K, group_rewards, behaviour=True)
+            for index, group_rewards in enumerate(rewards)]
 
 
 def test_untied_keeps_the_groups_with_a_spread_topped_up_to_a_multiple_of_the_ranks():

@@ -12,18 +12,23 @@ from trainer.policy import TokenLogprobs
 
 def _groups(k=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    groups = []
-    for index, p in enumerate((5, 9)):
-        lens = torch.randint(1, 7, (k,), generator=g)
-        ids = torch.zeros(k, 6, dtype=torch.long)
-        for i in range(k):
-            ids[i, : lens[i]] = torch.randint(3, 1000, (int(lens[i]),), generator=g)
-        groups.append(Group(
-            prompt_ids=torch.randint(3, 1000, (p,), generator=g), completion_ids=ids, completion_lens=lens,
-            logprobs=torch.zeros(k, 6), versions=torch.zeros(k, 6, dtype=torch.long),
-            rewards=torch.rand(k, generator=g),
-            truncated=torch.zeros(k, dtype=torch.bool), prompt_index=index, group_id=index, worker_id=0))
-    return groups
+    return [random_group(g, index, p, k) for index, p in enumerate((5, 9))]
+
+
+def random_group(g: torch.Generator, index: int, prompt_len: int, k: int, rewards: list[float] | None = None,
+                 behaviour: bool = False) -> Group:
+    """K random completions of 1-6 tokens after a random prompt; random rewards unless given, and behaviour
+    logprobs in (-1, 0] with `behaviour` (else 0)."""
+    lens = torch.randint(1, 7, (k,), generator=g)
+    ids = torch.zeros(k, 6, dtype=torch.long)
+    for i in range(k):
+        ids[i, : lens[i]] = torch.randint(3, 1000, (int(lens[i]),), generator=g)
+    prompt = torch.randint(3, 1000, (prompt_len,), generator=g)
+    logprobs = -torch.rand(k, 6, generator=g) if behaviour else torch.zeros(k, 6)
+    return Group(prompt_ids=prompt, completion_ids=ids, completion_lens=lens, logprobs=logprobs,
+                 versions=torch.zeros(k, 6, dtype=torch.long),
+                 rewards=torch.rand(k, generator=g) if rewards is None else torch.tensor(rewards),
+                 truncated=torch.zeros(k, dtype=torch.bool), prompt_index=index, group_id=index, worker_id=0)
 
 
 def _separate(model, groups, temperature):
@@ -254,14 +259,17 @@ def test_the_learner_settles_the_default_pass_budget_for_its_device(tiny_model_d
     assert learner._passes(batch) == [(0, 1), (1, 2)]
 
 
-RELEASE = """
-import ctypes, sys
+LIBC = """
+import ctypes, resource, sys
 sys.path.insert(0, {root!r})
-from heap import release_free_heap
+import heap
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+"""
+
+RELEASE = """
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
 # 100 KB chunks (under glibc's mmap threshold, so in the heap); every other one freed, between live ones: what a
@@ -272,37 +280,34 @@ for p in chunks:
 for p in chunks[::2]:
     libc.free(p)
 held = rss_mb()
-release_free_heap()
+heap.release_free_heap()
 print(held, rss_mb())
 """
 
 
-def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os():
+def _run_with_libc(script: str, needs: str) -> str:
+    """`script` after LIBC's set-up, in a fresh interpreter (the C heap's state is the process's); its stdout."""
     import os
     import subprocess
     import sys
 
     import heap
 
-    if heap._MALLOC_TRIM is None:
-        pytest.skip("not glibc: no malloc_trim")
+    if getattr(heap, needs) is None:
+        pytest.skip("not glibc")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", RELEASE.format(root=root)], capture_output=True, text=True,
-                         check=True).stdout
-    held, after = map(int, out.split())
+    return subprocess.run([sys.executable, "-c", LIBC.format(root=root) + script], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os():
+    held, after = map(int, _run_with_libc(RELEASE, "_MALLOC_TRIM").split())
     assert held - after > 120, (held, after)  # of the 195 MB freed
 
 
 KEEP = """
-import ctypes, resource, sys
-sys.path.insert(0, {root!r})
-from heap import keep_freed_chunks
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-for keep in {calls}:
-    keep_freed_chunks(keep)
+for keep in CALLS:
+    heap.keep_freed_chunks(keep)
 size = 64 << 20  # over glibc's largest mmap threshold (32 MB): mapped on its own unless kept
 p = libc.malloc(size); libc.memset(p, 1, size); libc.free(p)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -315,17 +320,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_a_kept_large_chunk_s_pages_are_not_faulted_in_again(calls, kept):
     """heap.keep_freed_chunks(True): a 64 MB chunk freed and allocated again reuses its resident pages. Left to glibc,
     or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages again."""
-    import os
-    import subprocess
-    import sys
-
-    import heap
-
-    if heap._MALLOPT is None:
-        pytest.skip("not glibc: no mallopt")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    faults = int(subprocess.run([sys.executable, "-c", KEEP.format(root=root, calls=calls)], capture_output=True,
-                                text=True, check=True).stdout)
+    faults = int(_run_with_libc(KEEP.replace("CALLS", repr(calls)), "_MALLOPT"))
     assert faults < 16 if kept else faults >= 32, faults  # 64 MB is 32 faults even in 2 MB transparent huge pages
 
 
