@@ -146,7 +146,10 @@ class RolloutConfig:
     group_size: int = 8  # K completions sampled per prompt
     temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling threshold
-    max_new_tokens: int = 16  # completion budget per sample (a task's preset may raise it: gsm8k 512)
+    # completion budget per sample. The default task's answer, "7 + 8 = 15" and its end of turn, is 9 of SmolLM2's
+    # tokens; 12 leave room for it and cut the chatter sooner than 16 (docs/benchmarks.md, session 17). A task's
+    # preset sets its own: gsm8k 512
+    max_new_tokens: int = 12
     # sequences decoded together per rollout worker (engine slots), at most: never more than the staleness bound
     # lets be in flight, (max_staleness + 1) x train.batch_groups x group_size (buffer/staleness.py engine_slots)
     max_batch: int = 64

@@ -160,7 +160,8 @@ def test_reward_of_a_loaded_example(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, budget", [
-    ([], 16), (["task=gsm8k"], 512), (["task=math"], 1024), (["task=preference"], 53), (["task=code"], 512),
+    ([], 12), (["task=gsm8k"], 512), (["task=math"], 1024), (["task=preference"], 53), (["task=code"], 512),
+    (["task=redteam"], 16),
     (["task=gsm8k", "rollout.max_new_tokens=64"], 64),  # the command line beats the task's budget
 ])
 def test_a_task_sets_its_completion_budget(overrides, budget):
