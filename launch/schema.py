@@ -213,6 +213,8 @@ class TrainConfig:
     micro_tokens: int = -1
     lr: float = 2e-5  # AdamW learning rate
     warmup_steps: int = 0  # the learning rate rises linearly from lr / (N + 1) to lr over the first N steps (0: off)
+    decay_steps: int = 0  # then falls linearly from lr to min_lr over the next N steps and stays there (0: off)
+    min_lr: float = 0.0  # where decay_steps ends
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW's first-moment decay
     adam_beta2: float = 0.999  # AdamW's second-moment decay (RL recipes often take 0.99 for noisier gradients)
@@ -254,6 +256,8 @@ class TrainConfig:
         require(self.lr > 0, "train.lr", "must be > 0", self.lr)
         require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
+        require(self.decay_steps >= 0, "train.decay_steps", "must be >= 0", self.decay_steps)
+        require(0 <= self.min_lr <= self.lr, "train.min_lr", f"must be in [0, train.lr={self.lr}]", self.min_lr)
         require(0 <= self.adam_beta1 < 1, "train.adam_beta1", "must be in [0, 1)", self.adam_beta1)
         require(0 < self.adam_beta2 < 1, "train.adam_beta2", "must be in (0, 1)", self.adam_beta2)
         require(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)

@@ -248,6 +248,12 @@ def test_warmup_ramps_the_learning_rate_and_adam_takes_its_betas_and_eps(tiny_mo
     group = learner.optimizer.param_groups[0]
     assert group["betas"] == (0.8, 0.99) and group["eps"] == 1e-6
     assert [learner.learning_rate(s) for s in (1, 2, 3, 4, 50)] == [2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2]
+    train.decay_steps, train.min_lr = 4, 2e-3  # then down to 2e-3 over steps 5-8, and held
+    assert [learner.learning_rate(s) for s in (3, 4, 5, 6, 8, 9, 50)] == pytest.approx(
+        [7.5e-3, 1e-2, 8e-3, 6e-3, 2e-3, 2e-3, 2e-3], abs=1e-12)
+    train.warmup_steps = 0  # without a warm-up the decay starts at step 1
+    assert [learner.learning_rate(s) for s in (1, 3, 5, 6)] == pytest.approx([1e-2, 6e-3, 2e-3, 2e-3], abs=1e-12)
+    train.warmup_steps, train.decay_steps = 3, 0
     train.adam_beta1, train.adam_beta2, train.adam_eps = 0.9, 0.999, 1e-8  # as the hand loop's AdamW
     learner = Learner(model_path=tiny_model_dir, train=train, algo=algo,
                       rollout=RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))

@@ -158,9 +158,14 @@ class Learner:
                 "train/tokens": tokens, "train/lr": self.learning_rate(step), **metrics}
 
     def learning_rate(self, step: int) -> float:
-        """train.lr, ramped linearly over the first train.warmup_steps steps (step counts from 1)."""
-        warmup = self.train.warmup_steps
-        return self.train.lr * min(1.0, step / (warmup + 1)) if warmup else self.train.lr
+        """train.lr, ramped linearly over the first train.warmup_steps steps, then down linearly to train.min_lr
+        over the next train.decay_steps and held there (step counts from 1)."""
+        t = self.train
+        if t.warmup_steps and step <= t.warmup_steps:
+            return t.lr * step / (t.warmup_steps + 1)
+        if not t.decay_steps:
+            return t.lr
+        return t.lr + (t.min_lr - t.lr) * min(1.0, (step - t.warmup_steps - 1) / t.decay_steps)
 
     def _passes(self, batch: Batch) -> list[tuple[int, int]]:
         """This rank's forward/backward passes over `batch`, as group ranges."""
