@@ -66,6 +66,7 @@ def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
     assert moved > 0, "the step changed no weight"
 
 
+@pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_compiled_model_matches_eager_model(tiny_model_dir, tmp_path):
     """train.compile: the same step to float tolerance, the same parameter names (checkpoints and weight sync
     do not change), for the policy and the reference (tb uses one)."""
