@@ -4,8 +4,8 @@ everything down on any exit path.
 Watching covers processes that exit (a failure, a kill) and, with heartbeats (launch/heartbeat.py), processes
 that are alive but stuck: one whose last beat is older than its phase allows is named in one line
 (`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
-(faulthandler, on SIGUSR1, after a SIGCONT in case it was stopped), and it is killed and handled like a
-process that died.
+(faulthandler, on SIGUSR1 to its main thread, then a SIGCONT in case it was stopped; the signal's default action
+then ends it), and it is handled like a process that died.
 
 Once the essential processes have done their work (`finished`: trainer rank 0 has taken its last step), the
 others (rollout workers) are retired: they are no longer watched for hangs, and their exit, however it comes,
@@ -38,7 +38,9 @@ def _child_main(name, target, kwargs, errors, threads, stack_pipe, environ):
         os.environ.clear()
         os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and tells us to stop
-    faulthandler.register(DUMP_SIGNAL, file=stack_pipe.fileno(), all_threads=True)  # the launcher reads it
+    # The launcher reads the stack of a process it found stuck; then the signal's default action ends the process,
+    # before it runs on (dump_stack).
+    faulthandler.register(DUMP_SIGNAL, file=stack_pipe.fileno(), all_threads=True, chain=True)
     torch.set_num_threads(threads)
     try:
         target(**kwargs)
@@ -98,6 +100,19 @@ def _die_with_parent(name: str):
 
 
 DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _to_main_thread(pid: int, sig: int) -> None:
+    """Send `sig` to the main thread of process `pid` (glibc's tgkill). kill() lets any of its threads take the
+    signal: the handler would run in a helper thread while the main one, continued, ran on."""
+    try:
+        tgkill = ctypes.CDLL("libc.so.6", use_errno=True).tgkill
+    except (OSError, AttributeError):  # not glibc: any thread
+        os.kill(pid, sig)
+        return
+    if tgkill(pid, pid, sig) != 0:
+        code = ctypes.get_errno()
+        raise ProcessLookupError(pid) if code == errno.ESRCH else OSError(code, os.strerror(code))
 
 
 class Supervisor:
@@ -196,16 +211,21 @@ class Supervisor:
             self.why[name] = f"{name} stuck in {phase} for {age:.0f} s" + (f" (its stack: {where})" if where else "")
 
     def dump_stack(self, name: str) -> str | None:
-        """Write `name`'s Python stack (every thread) to stacks_dir; its path, or None if it gave none."""
+        """Write `name`'s Python stack (every thread) to stacks_dir; its path, or None if it gave none. The process
+        ends as it writes it: it cannot run on in between, as a stopped one would once continued, and deliver its
+        first group a moment after it was found stuck in its set-up (seen with a tiny model on a fast CPU)."""
         proc, pipe = self.procs[name], self.stack_pipes[name]
         try:
+            _to_main_thread(proc.pid, DUMP_SIGNAL)  # pending while it is stopped: handled first when it continues
             os.kill(proc.pid, signal.SIGCONT)  # a stopped process runs no handler
-            os.kill(proc.pid, DUMP_SIGNAL)
         except ProcessLookupError:
             return None
         text, deadline = b"", time.monotonic() + 5.0
         while time.monotonic() < deadline and pipe.poll(0.5 if text else deadline - time.monotonic()):
-            text += os.read(pipe.fileno(), 1 << 16)
+            chunk = os.read(pipe.fileno(), 1 << 16)
+            if not chunk:  # it has ended and closed its end
+                break
+            text += chunk
         if not text or not self.stacks_dir:
             return None
         os.makedirs(self.stacks_dir, exist_ok=True)

@@ -54,6 +54,7 @@ def _beat_then_hang(hearts, name, stop_self):
     hearts.of(name).beat("generate")
     if stop_self:
         os.kill(os.getpid(), signal.SIGSTOP)
+        hearts.of(name).beat("ring_put")  # continued: a dumped process must end before it gets here
     _a_function_that_never_returns()
 
 
@@ -78,6 +79,8 @@ def test_the_supervisor_names_dumps_and_kills_a_stuck_process(tmp_path, stop_sel
     [stack] = os.listdir(tmp_path / "stacks")
     assert stack.startswith("rollout-0-") and stack in message
     assert "in _beat_then_hang" in (tmp_path / "stacks" / stack).read_text()
+    # Ended by the dump's own signal, as it wrote its stack: a stopped process did not run on once continued.
+    assert sup.procs["rollout-0"].exitcode == -signal.SIGUSR1 and hearts.phase("rollout-0") == "generate"
 
 
 def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
