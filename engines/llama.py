@@ -96,6 +96,8 @@ class Layer:
 
 
 class Llama:
+    split_attention = True  # CPU decode attention as two matmuls where `decode` says they pay (False: the fused kernel)
+
     def __init__(self, model, dtype: torch.dtype, max_len: int, device: torch.device = torch.device("cpu")):
         check_supported(model, max_len)
         config = model.config
@@ -183,17 +185,19 @@ class Llama:
     def _cache_shape(self, max_batch: int, max_len: int) -> tuple[int, ...]:
         return len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim
 
-    def _attend_fp32(self, visible: torch.Tensor):
-        """Decode attention as two batched matmuls and a softmax, the mask made additive once for all layers: in
-        fp32 on the CPU 1.1-2.4x the fused kernel's speed at 45-300 cached tokens (64 sequences), where the kernel
-        pays per-call overhead for a few rows. Not in bf16, whose scores would round to bf16 (the fused kernel keeps
-        them in fp32)."""
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill_(~visible, -math.inf)
+    def _attend_split(self, visible: torch.Tensor):
+        """Decode attention as two batched matmuls and a float32 softmax, the mask made additive once for all layers.
+        On the CPU the fused kernel pays per-call overhead for a decode's few query rows: at 64 sequences the split
+        is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x faster
+        where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first; `decode` picks
+        the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax; the
+        engine-trainer mismatch did not move (docs/benchmarks.md, session 18)."""
+        bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
         scale = self.head_dim ** -0.5
 
         def attend(q, keys, values):
-            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
-            return torch.matmul(scores.softmax(-1), values)
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale).add_(bias)
+            return torch.matmul(scores.softmax(-1).to(values.dtype), values)
         return attend
 
     def copy_prefix(self, k_cache, v_cache, source: int, target: int, length: int) -> None:
@@ -264,17 +268,23 @@ class Llama:
         # Slots 0..n-1 are the common case under continuous batching: read the cache through a strided
         # view; otherwise gather the running slots, cheaper than computing idle ones.
         dense = int(slots[-1]) == n - 1
+        # On the CPU attention is two matmuls (_attend_split) where they read contiguous keys: always in fp32 (its
+        # batched matmul takes strided operands as they are); in bf16 the gathered slots, or, for slots 0..n-1, the
+        # cache's whole width once `length` is at least half of it (past positions are masked), else the fused kernel.
+        width, split = length, self.split_attention and self.device.type == "cpu"
+        if split and self.dtype != torch.float32 and dense:
+            split = 2 * length >= k_cache.shape[3]
+            width = k_cache.shape[3] if split else length
         x = self.embed[ids]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        visible = (torch.arange(length, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, T]
-        attend = self._attend_fp32(visible) if self.device.type == "cpu" and self.dtype == torch.float32 else \
-            partial(F.scaled_dot_product_attention, attn_mask=visible)
+        visible = (torch.arange(width, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, T]
+        attend = self._attend_split(visible) if split else partial(F.scaled_dot_product_attention, attn_mask=visible)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin)
             k_cache[i, slots, :, pos] = k
             v_cache[i, slots, :, pos] = v
-            keys = k_cache[i, :n, :, :length] if dense else k_cache[i, slots, :, :length]
-            values = v_cache[i, :n, :, :length] if dense else v_cache[i, slots, :, :length]
+            keys = k_cache[i, :n, :, :width] if dense else k_cache[i, slots, :, :width]
+            values = v_cache[i, :n, :, :width] if dense else v_cache[i, slots, :, :width]
             # The G query heads sharing a kv head go in as G query rows: faster on CPU than enable_gqa.
             attn = attend(q.unflatten(1, (self.n_kv_heads, -1)), keys, values)
             x = x + self._linear(attn.flatten(1), layer.o, layer.o_bias)

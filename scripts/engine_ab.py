@@ -1,36 +1,35 @@
-"""Session 12's two engine changes, switched off and on in turn in one process, so that a drifting VM's speed
-affects both alike: prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`) and fp32 decode
-attention as two matmuls (`Llama._attend_fp32`). Off: no copies, the fused kernel.
+"""Two engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both
+alike: prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, session 12) and CPU decode
+attention as two matmuls (`Llama.split_attention`: fp32 in session 12, bf16 in session 18). Off: no copies, the
+fused kernel. `--only attention` switches the attention alone (the copies stay on).
 
-    PYTHONPATH=. python scripts/engine_ab.py [--pairs 3] [--new-tokens 16] [--requests 256]
+    PYTHONPATH=. python scripts/engine_ab.py [--pairs 3] [--new-tokens 16] [--requests 256] [--dtype fp32]
     PYTHONPATH=. python scripts/engine_ab.py --pairs 2 --new-tokens 256 --requests 64 --ignore-eos
 
-Prints tok/s of each run and the median of on/off; bench.generate's requests (8 samples a prompt), 64 slots, fp32.
+Prints tok/s of each run and the median of on/off; bench.generate's requests (8 samples a prompt), 64 slots.
 """
 import argparse
 import statistics
 import time
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import load, task_prompts
 from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.llama import Llama
 
-ATTEND, HELD = Llama._attend_fp32, BuiltinEngine._held_prefixes
+HELD = BuiltinEngine._held_prefixes
 
 
-def switch(on: bool) -> None:
-    Llama._attend_fp32 = ATTEND if on else lambda self, visible: partial(F.scaled_dot_product_attention,
-                                                                         attn_mask=visible)
-    BuiltinEngine._held_prefixes = HELD if on else lambda self, lengths, pending: {}
+def switch(on: bool, only: str) -> None:
+    Llama.split_attention = on
+    if only != "attention":
+        BuiltinEngine._held_prefixes = HELD if on else lambda self, lengths, pending: {}
 
 
-def tokens_per_s(model, prompts, new_tokens: int, eos) -> tuple[float, int]:
-    engine = BuiltinEngine(model, max_batch=64, max_len=max(map(len, prompts)) + new_tokens, seed=0)
+def tokens_per_s(model, prompts, new_tokens: int, eos, dtype) -> tuple[float, int]:
+    engine = BuiltinEngine(model, max_batch=64, max_len=max(map(len, prompts)) + new_tokens, seed=0, dtype=dtype)
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=() if eos is None else (eos,))
     start = time.perf_counter()
@@ -44,16 +43,20 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--only", choices=["both", "attention"], default="both")
+    parser.add_argument("--threads", type=int, default=2, help="1: a default run's rollout worker")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load()
     prompts = [p for p in task_prompts(tokenizer, -(-args.requests // 8)) for _ in range(8)][:args.requests]
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     rates = {False: [], True: []}
     for _ in range(args.pairs):
         for on in (False, True):
-            switch(on)
-            rate, copies = tokens_per_s(model, prompts, args.new_tokens, eos)
+            switch(on, args.only)
+            rate, copies = tokens_per_s(model, prompts, args.new_tokens, eos,
+                                        {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
             rates[on].append(rate)
             print(f"{'on ' if on else 'off'} {rate:6.1f} tok/s, {copies} prompt caches copied", flush=True)
     ratios = [on / off for off, on in zip(rates[False], rates[True])]

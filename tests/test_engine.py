@@ -215,6 +215,33 @@ def test_bfloat16_engine_stays_close_to_fp32(model):
         assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
 
 
+def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, monkeypatch):
+    """On the CPU, bf16 decode attention is two matmuls where their keys are contiguous: the cache's whole width for
+    slots 0..n-1 once the longest sequence holds half of it, and the gathered slots once a slot between them has
+    finished. Either way the logprobs stay within bf16's distance of fp32 HF; a wider cache keeps the fused kernel
+    until a slot finishes."""
+    from engines.llama import Llama
+    split, widths = Llama._attend_split, []
+    monkeypatch.setattr(Llama, "_attend_split", lambda self, visible: widths.append(visible.shape[-1]) or
+                        split(self, visible))
+    prompts = random_prompts([6, 15, 9])
+
+    def run(max_len):
+        widths.clear()
+        engine = BuiltinEngine(model, max_batch=3, max_len=max_len, dtype=torch.bfloat16)
+        requests = [Request(i, p, SamplingParams(max_new_tokens=4 if i == 0 else 12)) for i, p in enumerate(prompts)]
+        for completion in engine.generate(requests):
+            assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
+        return list(widths)
+
+    # Decode steps 1-4 read 15-18 positions. Width 32: the fused kernel, then the whole width for steps 2-4; after
+    # slot 0's last token, slots 1 and 2 gathered.
+    tight = run(32)
+    assert tight[:3] == [32, 32, 32] and tight[3:] and all(w < 32 for w in tight[3:])
+    wide = run(128)  # the gathered slots only
+    assert wide and all(w <= 27 for w in wide) and len(wide) == len(tight) - 3
+
+
 def test_a_model_that_is_not_a_causal_lm_is_refused():
     # other causal LMs run on the fallback (tests/test_models.py)
     from transformers import T5Config, T5ForConditionalGeneration
