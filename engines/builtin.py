@@ -66,6 +66,11 @@ class BuiltinEngine:
     # Smaller caches (the default task's) are made at once and kept: zeroing them would cost more of a short step
     # than they free.
     IDLE_RELEASE_BYTES = 128 << 20
+    # On the CPU the fast path's cache starts this many positions wide (or max_len, if less) and doubles, up to
+    # max_len, as the longest sequence needs: decode attention reads the cache's whole width where that is the
+    # faster way (engines/llama.py `decode`), so the width follows what is in flight. The default task's cache
+    # is narrower than this from the start.
+    FIRST_WIDTH = 64
 
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False):
@@ -77,8 +82,9 @@ class BuiltinEngine:
         self.release_when_idle = (self.device.type == "cpu"
                                   and self.model.cache_bytes(max_batch, max_len) >= self.IDLE_RELEASE_BYTES)
         self.k_cache = self.v_cache = None
+        self.grows = self.device.type == "cpu" and hasattr(self.model, "grow_cache")
         if not self.release_when_idle:
-            self.k_cache, self.v_cache = self.model.new_cache(max_batch, max_len)
+            self.k_cache, self.v_cache = self._new_cache()
         self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
@@ -153,7 +159,7 @@ class BuiltinEngine:
         """Admit waiting requests into free slots, then decode one token for every running sequence."""
         with torch.inference_mode():
             if self.k_cache is None and self.waiting:
-                self.k_cache, self.v_cache = self.model.new_cache(self.max_batch, self.max_len)
+                self.k_cache, self.v_cache = self._new_cache()
             if self.waiting or self.running:
                 self.model.block_weights()  # once a version (engines/llama.py)
             self._admit()
@@ -163,6 +169,16 @@ class BuiltinEngine:
                 self.model.drop_blocked()  # their memory too, while a synchronous run's trainer takes its step
                 release_free_heap()  # a few MB a matrix: glibc would keep their pages
             return finished
+
+    def _new_cache(self):
+        return self.model.new_cache(self.max_batch, min(self.max_len, self.FIRST_WIDTH) if self.grows else self.max_len)
+
+    def _fit_cache(self, positions: int) -> None:
+        """Make the cache at least `positions` wide (doubling, up to max_len), keeping what it holds."""
+        width = self.k_cache.shape[3] if self.grows else self.max_len
+        if positions > width:
+            width = min(self.max_len, max(positions, 2 * width))
+            self.k_cache, self.v_cache = self.model.grow_cache(self.k_cache, self.v_cache, width)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         if self.running or self.waiting:
@@ -223,6 +239,7 @@ class BuiltinEngine:
         ids = torch.zeros(len(prefixes), longest, dtype=torch.long)
         for row, prefix in enumerate(prefixes):
             ids[row, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+        self._fit_cache(longest)
         self.model.prefill(self.k_cache, self.v_cache, ids.to(self.device), self._tensor(rows), slots)
 
     def _held_prefixes(self, lengths: set[int], pending: set[int]) -> dict[tuple[int, ...], int]:
@@ -249,6 +266,7 @@ class BuiltinEngine:
             return None
         new = prompt[len(tokens) - 1:-1]  # the cache holds all but the parked sequence's last token
         if new:
+            self._fit_cache(len(prompt) - 1)
             self.model.extend(self.k_cache, self.v_cache, self._tensor(new), slot, len(tokens) - 1)
         self._set_slot(slot, request)
         self.resumed += 1
@@ -266,8 +284,9 @@ class BuiltinEngine:
         slots = sorted(self.running)
         active = self._tensor(slots)
         pos = self.slot_pos[active]
-        logits = self.model.decode(self.k_cache, self.v_cache, self.slot_token[active], pos, active,
-                                   int(pos.max()) + 1)
+        length = int(pos.max()) + 1
+        self._fit_cache(length)
+        logits = self.model.decode(self.k_cache, self.v_cache, self.slot_token[active], pos, active, length)
         u = counter_uniform(self.seed, self.slot_request[active], pos)
         tokens, logprobs = sample(logits, self.slot_temperature[active], self.slot_top_p[active], u)
         self.slot_token[active] = tokens

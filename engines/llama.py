@@ -178,6 +178,14 @@ class Llama:
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
 
+    def grow_cache(self, k_cache, v_cache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same caches `width` positions wide: what they hold is kept, the new positions are zeros."""
+        k, v = self.new_cache(k_cache.shape[1], width)
+        held = k_cache.shape[3]
+        k[:, :, :, :held] = k_cache
+        v[:, :, :, :held] = v_cache
+        return k, v
+
     def cache_bytes(self, max_batch: int, max_len: int) -> int:
         """What new_cache would allocate (keys and values), without allocating it."""
         return 2 * math.prod(self._cache_shape(max_batch, max_len)) * self.dtype.itemsize

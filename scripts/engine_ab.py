@@ -1,7 +1,8 @@
-"""Two engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both
-alike: prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, session 12) and CPU decode
-attention as two matmuls (`Llama.split_attention`: fp32 in session 12, bf16 in session 18). Off: no copies, the
-fused kernel. `--only attention` switches the attention alone (the copies stay on).
+"""Engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both alike:
+prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, session 12), CPU decode attention as
+two matmuls (`Llama.split_attention`: fp32 in session 12, bf16 in session 18) and a CPU cache that grows with the
+longest sequence (`BuiltinEngine.FIRST_WIDTH`, session 18). Off: no copies, the fused kernel, the cache max_len
+wide from the start. `--only attention` or `--only growth` switches that one alone (the others stay on).
 
     PYTHONPATH=. python scripts/engine_ab.py [--pairs 3] [--new-tokens 16] [--requests 256] [--dtype fp32]
     PYTHONPATH=. python scripts/engine_ab.py --pairs 2 --new-tokens 256 --requests 64 --ignore-eos
@@ -19,12 +20,15 @@ from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.llama import Llama
 
-HELD = BuiltinEngine._held_prefixes
+HELD, FIRST_WIDTH = BuiltinEngine._held_prefixes, BuiltinEngine.FIRST_WIDTH
 
 
 def switch(on: bool, only: str) -> None:
-    Llama.split_attention = on
-    if only != "attention":
+    if only in ("all", "attention"):
+        Llama.split_attention = on
+    if only in ("all", "growth"):
+        BuiltinEngine.FIRST_WIDTH = FIRST_WIDTH if on else 1 << 30  # off: the cache max_len wide at once
+    if only == "all":
         BuiltinEngine._held_prefixes = HELD if on else lambda self, lengths, pending: {}
 
 
@@ -44,7 +48,7 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--only", choices=["both", "attention"], default="both")
+    parser.add_argument("--only", choices=["all", "attention", "growth"], default="all")
     parser.add_argument("--threads", type=int, default=2, help="1: a default run's rollout worker")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -242,6 +242,23 @@ def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, mon
     assert wide and all(w <= 27 for w in wide) and len(wide) == len(tight) - 3
 
 
+def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(model, monkeypatch):
+    """The fast path's CPU cache starts FIRST_WIDTH positions wide and doubles as the longest sequence needs, up to
+    max_len: the same tokens and logprobs as a cache made max_len wide at once, HF-exact in fp32."""
+    requests = [Request(i, p, SamplingParams(max_new_tokens=n))
+                for i, (p, n) in enumerate(zip(random_prompts([6, 15, 9]), [90, 110, 20]))]
+    grown = BuiltinEngine(model, max_batch=2, max_len=200)
+    assert grown.k_cache.shape[3] == 64  # FIRST_WIDTH
+    done = grown.generate(requests)
+    assert grown.k_cache.shape[3] == 128 and grown.v_cache.shape[3] == 128  # 15 + 110 - 1 positions, doubled once
+    for completion in done:
+        assert_matches_teacher_forced(model, completion, 1.0)
+    monkeypatch.setattr(BuiltinEngine, "FIRST_WIDTH", 1 << 30)
+    whole = BuiltinEngine(model, max_batch=2, max_len=200)
+    assert whole.k_cache.shape[3] == 200
+    assert [(c.token_ids, c.logprobs) for c in whole.generate(requests)] == [(c.token_ids, c.logprobs) for c in done]
+
+
 def test_a_model_that_is_not_a_causal_lm_is_refused():
     # other causal LMs run on the fallback (tests/test_models.py)
     from transformers import T5Config, T5ForConditionalGeneration
