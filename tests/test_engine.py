@@ -253,6 +253,15 @@ def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(mod
     assert grown.k_cache.shape[3] == 128 and grown.v_cache.shape[3] == 128  # 15 + 110 - 1 positions, doubled once
     for completion in done:
         assert_matches_teacher_forced(model, completion, 1.0)
+    # A parked sequence's next turn that needs a wider cache: extended after the growth, not prefilled again.
+    parked = BuiltinEngine(model, max_batch=1, max_len=200)
+    prompt, observation = random_prompts([9, 70], seed=3)
+    first = parked.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])[0]
+    assert parked.k_cache.shape[3] == 64
+    second = parked.generate([Request(1, prompt + first.token_ids + observation, SamplingParams(max_new_tokens=6),
+                                      resume=0)])[0]
+    assert (parked.resumed, parked.resume_misses) == (1, 0) and parked.k_cache.shape[3] == 128
+    assert_matches_teacher_forced(model, second, 1.0)
     monkeypatch.setattr(BuiltinEngine, "FIRST_WIDTH", 1 << 30)
     whole = BuiltinEngine(model, max_batch=2, max_len=200)
     assert whole.k_cache.shape[3] == 200
