@@ -104,15 +104,14 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 def _to_main_thread(pid: int, sig: int) -> None:
     """Send `sig` to the main thread of process `pid` (glibc's tgkill). kill() lets any of its threads take the
-    signal: the handler would run in a helper thread while the main one, continued, ran on."""
+    signal: the handler would run in a helper thread while the main one, continued, ran on. Off glibc, or where
+    tgkill fails, kill() (which raises ProcessLookupError for a process that has gone)."""
     try:
-        tgkill = ctypes.CDLL("libc.so.6", use_errno=True).tgkill
-    except (OSError, AttributeError):  # not glibc: any thread
+        sent = ctypes.CDLL("libc.so.6").tgkill(pid, pid, sig) == 0
+    except (OSError, AttributeError):
+        sent = False
+    if not sent:
         os.kill(pid, sig)
-        return
-    if tgkill(pid, pid, sig) != 0:
-        code = ctypes.get_errno()
-        raise ProcessLookupError(pid) if code == errno.ESRCH else OSError(code, os.strerror(code))
 
 
 class Supervisor:
