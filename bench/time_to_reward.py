@@ -27,8 +27,9 @@ line per setting (`never` if it did not get there). A bench that stopped part wa
 command in a git worktree of `--baseline`, for example the commit before a change, so both are measured in the same
 session on the same machine) and each `--vary` setting (the default run with those overrides: one factor at a time).
 Per setting: the median over seeds of the time and of the steps to 0.8 with their range, step 1's time against the
-median steady step (steps 4 on), and s/step; then `<setting>_time_to_0.8=<median s>`, `<setting>_steps_to_0.8=`
-and `<setting>_step1_over_steady=` lines, and `now_vs_baseline=<baseline's median time / now's>`.
+median steady step (steps 4 on that trained as many groups as step 1: `steady_step`), and s/step; then
+`<setting>_time_to_0.8=<median s>`, `<setting>_steps_to_0.8=` and `<setting>_step1_over_steady=` lines, and
+`now_vs_baseline=<baseline's median time / now's>`.
 """
 import argparse
 import json
@@ -167,13 +168,22 @@ def step_times(rows: list[dict]) -> list[float]:
     return [b["time_s"] - a["time_s"] for a, b in zip([{"time_s": 0.0}] + rows, rows)]
 
 
+def steady_step(rows: list[dict], steps: list[float]) -> float:
+    """The median time of steps 4 on that trained as many groups as step 1 (the same `train/tied_groups_skipped`),
+    or of all steps 4 on where none did. A step whose groups all tie skips their passes (train.skip_tied_groups), so
+    a solved task's late steps are cheaper than step 1 for a reason that is not a warm-up tax."""
+    later = list(zip(rows, steps))[3:]
+    first_tied = rows[0].get("train/tied_groups_skipped")
+    alike = [s for row, s in later if row.get("train/tied_groups_skipped") == first_tied]
+    return statistics.median(alike or [s for _, s in later] or steps[1:] or steps)
+
+
 def load_seed(folder: str) -> dict:
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     reached = time_to_reward(rows, 0.8) or (None, None)
     steps = step_times(rows)
-    steady = statistics.median(steps[3:] or steps[1:] or steps)
-    return {"time": reached[0], "steps": reached[1], "step1_over_steady": steps[0] / steady,
+    return {"time": reached[0], "steps": reached[1], "step1_over_steady": steps[0] / steady_step(rows, steps),
             "s_per_step": rows[-1]["time_s"] / len(rows), "pass@1": rows[-1].get("eval_pass@1")}
 
 

@@ -57,6 +57,17 @@ def test_the_seeds_mode_reads_medians_ranges_and_the_first_steps_tax(tmp_path):
     assert "now_vs_baseline=never" in figures
 
 
+def test_the_steady_step_is_one_that_trained_as_many_groups_as_step_1():
+    # step 1 trained all 4 groups; from step 4 on, steps with 3 tied groups skipped are cheap
+    tied = [0, 0, 0, 3, 3, 0, 3, 0, 3]
+    steps = [3.0, 3.2, 3.1, 1.0, 1.1, 3.4, 1.0, 3.0, 1.2]
+    rows = [{"train/tied_groups_skipped": t} for t in tied]
+    assert ttr.steady_step(rows, steps) == 3.2  # the median of steps 6 and 8 (3.4, 3.0), not of all six from step 4
+    rows[0]["train/tied_groups_skipped"] = 2  # no later step like step 1: all of steps 4 on
+    assert ttr.steady_step(rows, steps) == 1.15
+    assert ttr.steady_step([{}] * 5, [5.0, 2.0, 2.0, 1.0, 3.0]) == 2.0  # runs from before the metric: steps 4 on
+
+
 def test_vary_needs_a_name_and_overrides():
     assert ttr.parse_vary(["lr4=train.lr=4e-5 train.grad_clip=1"]) == {"lr4": ["train.lr=4e-5", "train.grad_clip=1"]}
     for bad in (["train.lr"], ["now=train.lr=1"], ["x=a=1", "x=b=2"]):
