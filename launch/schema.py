@@ -211,7 +211,9 @@ class TrainConfig:
     # a GPU (3x the learner's tokens/s of 4096 at Qwen2.5-0.5B and 2.3x at 1.5B on an H200, no more memory:
     # docs/gpu.md); 0: no bound
     micro_tokens: int = -1
-    lr: float = 2e-5  # AdamW learning rate
+    # AdamW learning rate; 2.5e-5 crosses 0.8 in a median of 7 steps over 10 seeds of the default run, 2e-5 in 7.5
+    # (docs/benchmarks.md, "Faster to a reward", session 19)
+    lr: float = 2.5e-5
     warmup_steps: int = 0  # the learning rate rises linearly from lr / (N + 1) to lr over the first N steps (0: off)
     decay_steps: int = 0  # then falls linearly from lr to min_lr over the next N steps and stays there (0: off)
     min_lr: float = 0.0  # where decay_steps ends

@@ -141,7 +141,7 @@ RANGES = {  # values of the right type but out of range: refused by the schema's
     "rollout.dtype=float16": "config key 'rollout.dtype' must be auto, bfloat16 or float32",
     "algo=grpo algo.clip_eps=3": "config key 'algo.clip_eps' must be in (0, 1)",
     "train.lr=-1e-5": "config key 'train.lr' must be > 0",
-    "train.min_lr=1e-3": "config key 'train.min_lr' must be in [0, train.lr=2e-05]",
+    "train.min_lr=1e-3": "config key 'train.min_lr' must be in [0, train.lr=2.5e-05]",
     "eval.k=0": "config key 'eval.k' must be >= 1",
     "checkpoint.keep=-1": "config key 'checkpoint.keep' must be >= 0",
     "buffer.sampler=lifo": "config key 'buffer.sampler' must be auto, fifo or tba",

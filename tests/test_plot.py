@@ -133,7 +133,8 @@ def test_labels_from_config_when_dir_names_say_nothing(tmp_path):
     b = _write_run(tmp_path / "11-00-00", _rows(0, True), _config(**{"train.lr": 1e-5}))
     c = _write_run(tmp_path / "12-00-00", _rows(0, True), _config(algo={"name": "grpo", "clip": 0.2}))
     infos = [plot.load_run(d)[0] for d in (a, b, c)]
-    assert plot.labels(infos) == ["train.lr=2e-05, algo=ppo", "train.lr=1e-05, algo=ppo", "train.lr=2e-05, algo=grpo"]
+    assert plot.labels(infos) == [
+        "train.lr=2.5e-05, algo=ppo", "train.lr=1e-05, algo=ppo", "train.lr=2.5e-05, algo=grpo"]
     same = _write_run(tmp_path / "13-00-00", _rows(0, True), _config())
     assert plot.labels([plot.load_run(d)[0] for d in (a, same)]) == ["10-00-00", "13-00-00"]
 
