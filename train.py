@@ -10,8 +10,8 @@
 
 Rollout workers generate while trainer ranks learn; trajectories cross through a shared-memory ring,
 weights come back after every optimizer step, and `max_staleness` bounds how old the data may be.
-Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, curves.png, checkpoints/step_N/,
-summary.json.
+Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, samples.jsonl, curves.png,
+checkpoints/step_N/, summary.json.
 """
 import json
 import os

@@ -365,6 +365,7 @@ class Config:
     progress: bool = True  # progress bar on stderr (plain lines when stderr is not a terminal)
     curves: bool = True  # curves.png when the run ends, about 2 s on a CPU (false: many short runs, as the tests make)
     logger: str = "none"  # none | tensorboard | wandb (W&B: $WANDB_MODE, else online if logged in, else offline)
+    log_samples: int = 4  # fresh completions a step written to samples.jsonl, decoded (trainer/samples.py; 0: none)
     resume: str = ""  # a run directory: continue it in place from its latest checkpoint
     # The sections, in the order a run's config.yaml lists them:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -382,6 +383,7 @@ class Config:
     def check(self):
         require(self.steps >= 1, "steps", "must be >= 1", self.steps)
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0", self.max_staleness)
+        require(self.log_samples >= 0, "log_samples", "must be >= 0", self.log_samples)
         require(self.logger in ("none", "tensorboard", "wandb"), "logger", "must be none, tensorboard or wandb",
                 self.logger)
         for f in fields(self):

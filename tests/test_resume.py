@@ -37,9 +37,12 @@ def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
     first = run_train(c, f"model.path={tiny_model_dir}", "steps=2", *SYNC, *TINY)
     assert first.returncode == 0, first.stderr[-3000:]
     assert _values(_rows(c)) == _values(_rows(a))[:2]  # reproducible
+    with open(c / "samples.jsonl", "a") as f:  # as a run killed after step 2's checkpoint would leave it
+        f.write(json.dumps({"step": 3, "completion": "written after the checkpoint"}) + "\n")
     resumed = subprocess.run(train_cmd(c, f"resume={c}", "steps=5"), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _values(_rows(c)) == _values(_rows(a))  # exact
+    assert (c / "samples.jsonl").read_text() == (a / "samples.jsonl").read_text()  # the same completions, once each
     assert sorted(os.listdir(c / "checkpoints")) == ["step_2", "step_5"]
 
 

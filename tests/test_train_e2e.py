@@ -33,6 +33,10 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
     assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]  # no GPU
     assert (tmp_path / "config.yaml").exists()
+    # log_samples=4 a step: 2 groups x 2 samples of the step's fresh data, decoded (trainer/samples.py)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["sample"]) for s in samples] == [(step, k) for step in (1, 2, 3) for k in (0, 0, 1, 1)]
+    assert all(s["version"] == s["step"] - 1 and "What is" in s["prompt"] and s["completion"] for s in samples)
     assert not (tmp_path / "curves.png").exists()  # curves=false (tests/helpers.py); drawn by default: below
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3

@@ -22,6 +22,7 @@ from trainer.learner import Learner, Rank
 from trainer.logger import MetricsLogger, truncate_metrics
 from trainer.peak import Peak, learner_mfu, learner_peak
 from trainer.policy import decoder_layers
+from trainer.samples import SampleLog
 
 if TYPE_CHECKING:
     from evaluate import Evaluator
@@ -59,16 +60,19 @@ def run(args: TrainerArgs) -> None:
         # Now, not at the first publish: NCCL weight sync joins its process group here, and the engines wait on it.
         publish = shared.weights.publisher(learner.policy, lead, shared.stop)
         with ExitStack() as stack:
-            evaluate = None
+            evaluate = samples = None
             if lead:
                 import tasks
 
                 data = tasks.get(cfg.task.name).build(cfg.task, cfg.seed)
                 evaluate = stack.enter_context(args.evaluator.open(setup.model_path, shared.weights, data,
                                                                    setup.eval_spec))
+                tokenizer = tasks.load_tokenizer(setup.model_path, cfg.model.chat_template)
+                samples = stack.enter_context(closing(SampleLog(setup.run_dir, tokenizer, cfg.log_samples,
+                                                                setup.resume_step)))
             replay = ReplayBuffer.from_config(cfg.buffer, _sampler(cfg.buffer.sampler, cfg.algo.name), cfg.seed)
             log = stack.enter_context(_logger(lead, args, setup.resume_step))
-            _Loop(learner, publish, replay, evaluate, log, args).run()
+            _Loop(learner, publish, replay, evaluate, log, samples, args).run()
     except Stopped:
         pass
     finally:
@@ -88,10 +92,12 @@ def _logger(lead: bool, args: TrainerArgs, start_step: int):
 class _Loop:
     """The optimizer steps of one rank, from `start_step` to `steps`; rank 0 also feeds, logs and evaluates."""
 
-    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, evaluate, log, args: TrainerArgs):
+    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, evaluate, log, samples: SampleLog | None,
+                 args: TrainerArgs):
         cfg, setup = args.cfg, args.setup
         self.learner, self.publish, self.replay, self.shared = learner, publish, replay, args.shared
-        self.evaluate, self.log = evaluate, log
+        self.evaluate, self.log, self.samples = evaluate, log, samples
+        self.fresh: list = []  # rank 0: the step's fresh groups, a few of whose completions go to samples.jsonl
         self.lead, self.steps = args.rank.rank == 0, cfg.steps
         self.model_path, self.run_dir = setup.model_path, setup.run_dir
         self.heart = args.shared.heart(f"trainer-{args.rank.rank}")
@@ -158,6 +164,7 @@ class _Loop:
                 if self.shared.cores is not None:
                     self.shared.cores.trainer_waiting()
                 fresh, dropped = self._take_fresh(version)
+                self.fresh = fresh
                 wait_time = time.time() - t0
                 groups = self.replay.sample(self.batch_groups, version)
                 batch = pack(groups)
@@ -216,6 +223,7 @@ class _Loop:
             **row_metrics.peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
             **counts, **info, **metrics, **results,
         })
+        self.samples.write(step, self.fresh)
         self.last_row = (now, tokens)
 
     def _episode_counts(self) -> dict:
