@@ -18,6 +18,7 @@ or never gave because it died between two steps.
 
 Like engines/weights.py, this relies on stores becoming visible in program order (x86-64).
 """
+import dataclasses
 import functools
 import math
 import time
@@ -41,6 +42,10 @@ FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("comple
 # A one-shot completion ends "done" on a stop token and "budget" at max_new_tokens.
 FINISH_REASONS = ("done", "max_turns", "budget", "context", "env_error", "env_timeout")
 
+
+# Group fields with one entry (or row) per completion
+PER_COMPLETION = ("completion_ids", "completion_lens", "logprobs", "versions", "rewards", "truncated", "loss_mask",
+                  "turn_ids", "turns", "finish")
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
@@ -98,6 +103,11 @@ class Group:
             self.turns = torch.ones(k, dtype=torch.int64)
         if self.finish is None:
             self.finish = torch.where(self.truncated, FINISH_REASONS.index("budget"), 0).to(torch.int64)
+
+    def select(self, index: list[int]) -> "Group":
+        """The same group with only the completions at `index`, in that order (a rule that reads a few of them)."""
+        rows = torch.tensor(index, dtype=torch.long)
+        return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in PER_COMPLETION})
 
     def min_version(self) -> int:
         """Oldest policy version among the tokens the policy sampled: the group's staleness is its oldest

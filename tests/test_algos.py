@@ -329,6 +329,49 @@ def test_online_dpo_picks_best_and_worst_and_skips_ties(loss_type):
     assert all(g == [0.0] * T for g in grad[3:6])  # the tied group
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_online_dpo_on_each_group_s_pair_alone_is_the_same_loss_and_gradient(loss_type):
+    """pack_pairs: the learner gets each group as its chosen and rejected completions (online_dpo.pair); the loss,
+    its metrics and the gradient of those completions are the full group's, and the others had none."""
+    from algos.online_dpo import pair
+    from buffer.ring import Group
+
+    rewards = [0.5, 1.0, 0.0, 0.3, 0.3, 0.3, 0.2, -1.0, 1.0]  # group 1 ties; group 2's best is its last
+    groups = [Group(prompt_ids=torch.tensor([5]), completion_ids=torch.arange(g * K, g * K + K)[:, None],
+                    completion_lens=torch.ones(K, dtype=torch.long), logprobs=torch.zeros(K, 1),
+                    versions=torch.zeros(K, 1, dtype=torch.long), rewards=torch.tensor(rewards[g * K:g * K + K]),
+                    truncated=torch.zeros(K, dtype=torch.bool), prompt_index=g, group_id=g, worker_id=0)
+              for g in range(3)]
+    rows_kept = [int(i) for g in groups for i in pair(g).completion_ids[:, 0]]  # the completions' ids: their rows
+    assert rows_kept == [1, 2, 3, 3, 8, 7]
+    assert [float(r) for g in groups for r in pair(g).rewards] == pytest.approx([1.0, 0.0, 0.3, 0.3, 1.0, -1.0])
+
+    full = make_mb(rewards)
+    want_loss, want_grad, want_metrics = run(algos.get("online_dpo"), full, beta=0.2, loss_type=loss_type)
+    idx = torch.tensor(rows_kept)
+    cut = lambda x: x[idx]  # noqa: E731
+    paired = dataclasses.replace(full, logprobs=full.logprobs.detach()[idx].clone().requires_grad_(True),
+                                 behav_logprobs=cut(full.behav_logprobs), mask=cut(full.mask),
+                                 rewards=cut(full.rewards), ref_logprobs=cut(full.ref_logprobs),
+                                 prox_logprobs=cut(full.prox_logprobs), group_size=2, batch_sequences=2 * len(groups))
+    loss, grad, metrics = run(algos.get("online_dpo"), paired, beta=0.2, loss_type=loss_type)
+    assert loss == pytest.approx(want_loss, rel=1e-12) and metrics == pytest.approx(want_metrics, rel=1e-12)
+    for row, i in enumerate(rows_kept):
+        if i != 3:  # the tied group's completion, taken twice, has no gradient either way
+            assert grad[row] == pytest.approx(want_grad[i], rel=1e-12)
+    assert all(v == 0.0 for i, r in enumerate(want_grad) if i not in rows_kept for v in r)
+
+    # what the learner loop packs: the pairs, or every completion with pack_pairs=false
+    from trainer.loop import batch_for
+
+    rule = algos.get("online_dpo")
+    batch = batch_for(groups, rule.Loss(rule.Config()))
+    assert batch.group_size == 2 and batch.targets[:, 0].tolist() == rows_kept
+    whole = batch_for(groups, rule.Loss(rule.Config(pack_pairs=False)))
+    assert whole.group_size == K and whole.targets[:, 0].tolist() == list(range(3 * K))
+    assert batch_for(groups, algos.get("ppo").Loss(algos.get("ppo").Config())).group_size == K
+
+
 def test_online_dpo_all_tied_gives_zero_loss_with_a_graph():
     mb = make_mb([1.0] * 6)
     loss, grad, metrics = run(algos.get("online_dpo"), mb)

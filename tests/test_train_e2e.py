@@ -404,12 +404,13 @@ def test_logger_backends_in_a_real_run(tiny_model_dir, tmp_path, monkeypatch, ba
         assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
 
 
-@pytest.mark.parametrize("algo", ["gspo", "cispo"])
+@pytest.mark.parametrize("algo", ["gspo", "cispo", "online_dpo"])
 def test_new_rules_run_end_to_end(tiny_model_dir, tmp_path, algo):
     result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=2", f"algo={algo}", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and all(f"loss/{algo}" in r for r in rows)
+    name = {"online_dpo": "dpo"}.get(algo, algo)
+    assert [r["step"] for r in rows] == [1, 2] and all(f"loss/{name}" in r for r in rows)
 
 
 def test_dapo_dynamic_sampling_drops_tied_groups_and_the_run_goes_on(tiny_model_dir, tmp_path):

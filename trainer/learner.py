@@ -220,7 +220,7 @@ class Learner:
                 mb_prox = logprobs.detach() if prox is None else prox[i]
             loss, metrics = self.loss_fn(algos.MicroBatch(
                 logprobs=logprobs, behav_logprobs=mb.behav_logprobs, mask=mb.mask, rewards=mb.rewards,
-                group_size=self.rollout.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
+                group_size=mb.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
                 max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
                 ref_logprobs=ref, prox_logprobs=mb_prox))
             # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back up.

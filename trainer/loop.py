@@ -79,6 +79,13 @@ def run(args: TrainerArgs) -> None:
         dist.destroy_process_group()
 
 
+def batch_for(groups: list, loss_fn) -> Batch:
+    """The groups packed for the learner: whole, or as much of each as the rule reads (its `trim_group`: online_dpo's
+    chosen and rejected completions)."""
+    trim = getattr(loss_fn, "trim_group", None)
+    return pack([trim(g) for g in groups] if trim else groups)
+
+
 def _logger(lead: bool, args: TrainerArgs, start_step: int):
     """Rank 0's metrics logger, closed on the way out (a resumed run first drops rows past its checkpoint)."""
     if not lead:
@@ -167,11 +174,12 @@ class _Loop:
                 self.fresh = fresh
                 wait_time = time.time() - t0
                 groups = self.replay.sample(self.batch_groups, version)
-                batch = pack(groups)
+                batch = batch_for(groups, self.learner.loss_fn)
                 # reward describes the fresh data (the current policy's, tied groups dropped by dynamic sampling
                 # included); staleness what is trained on
                 rewards = torch.cat([g.rewards for g in fresh + self.dynamic.dropped])
                 info = {"reward_mean": rewards.mean().item(),
+                        "reward/batch_mean": torch.cat([g.rewards for g in groups]).mean().item(),
                         "staleness/dropped_groups": len(dropped), **row_metrics.kept_and_dropped(fresh, dropped),
                         **self.replay.stats(), **row_metrics.staleness(groups, fresh, version),
                         **self.dynamic.metrics(), **(row_metrics.episodes(fresh) if self.multi_turn else {})}
@@ -217,7 +225,6 @@ class _Loop:
             "staleness_mean": info.pop("staleness_mean"), "staleness_max": info.pop("staleness_max"),
             "gen_tokens_per_s": (tokens - last_tokens) / max(now - last_time, 1e-9),
             "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
-            "reward/batch_mean": batch.rewards.mean().item(),
             "perf/train_step_s": train_time, "perf/learner_mfu": mfu, "perf/wait_s": perf["perf/wait_s"],
             "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
             **row_metrics.peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
