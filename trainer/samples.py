@@ -23,14 +23,10 @@ FILE = "samples.jsonl"
 def picks(groups: list[Group], count: int) -> list[tuple[Group, int]]:
     """`count` (group, sample) pairs, sample 0 of every group first, then sample 1, ...; fewer if the groups hold
     fewer completions."""
-    out = []
-    for j in range(count):
-        group = groups[j % len(groups)] if groups else None
-        sample = j // len(groups) if groups else 0
-        if group is None or sample >= group.completion_ids.shape[0]:
-            break
-        out.append((group, sample))
-    return out
+    if not groups:
+        return []
+    spread = [(groups[j % len(groups)], j // len(groups)) for j in range(count)]
+    return [(group, k) for group, k in spread if k < group.completion_ids.shape[0]]
 
 
 class SampleLog:
