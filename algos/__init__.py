@@ -6,7 +6,9 @@ Class attributes tell the trainer what to provide: `needs_reference`, `needs_pro
 `sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks), `summed_metrics` (metric
 keys that are counts, summed over micro-batches and ranks instead of averaged) and `tied_groups_learn_nothing`
 (true where a group whose K rewards all tie has zero advantage, so no loss and no gradient: the trainer then
-leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as before).
+leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as before),
+and `trim_group` (a function from a group to the completions the loss reads, in the order it reads them: the learner
+is given only those; online_dpo's chosen and rejected).
 Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths (`algo=<name>` finds it by its file;
 conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml sets train.lr).
 """
@@ -26,7 +28,7 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # [n, T] recorded by the rollout engine when sampling
     mask: torch.Tensor  # [n, T] 1.0 on completion tokens, 0.0 on padding
     rewards: torch.Tensor  # [n]
-    group_size: int  # K
+    group_size: int  # K: the batch's completions per group (rollout.group_size, or what a trim_group kept)
     batch_sequences: int  # sequences in the whole optimizer batch, across ranks
     batch_tokens: int  # valid completion tokens in the whole optimizer batch, across ranks
     max_new_tokens: int  # the sampling budget (Dr. GRPO's constant normaliser)
