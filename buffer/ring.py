@@ -109,12 +109,15 @@ class Group:
         rows = torch.tensor(index, dtype=torch.long)
         return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in PER_COMPLETION})
 
+    def sampled(self) -> torch.Tensor:
+        """bool [K, N]: the tokens the policy sampled (within each completion's length, on the loss mask)."""
+        return (torch.arange(self.completion_ids.shape[1]) < self.completion_lens[:, None]) & self.loss_mask
+
     def min_version(self) -> int:
         """Oldest policy version among the tokens the policy sampled: the group's staleness is its oldest
         sampled token's; 0 if there are none."""
-        width = self.completion_ids.shape[1]
-        valid = (torch.arange(width) < self.completion_lens[:, None]) & self.loss_mask
-        return int(self.versions[valid].min()) if valid.any() else 0
+        sampled = self.sampled()
+        return int(self.versions[sampled].min()) if sampled.any() else 0
 
 
 def _shared(*shape, dtype):

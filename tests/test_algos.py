@@ -362,7 +362,7 @@ def test_online_dpo_on_each_group_s_pair_alone_is_the_same_loss_and_gradient(los
     assert all(v == 0.0 for i, r in enumerate(want_grad) if i not in rows_kept for v in r)
 
     # what the learner loop packs: the pairs, or every completion with pack_pairs=false
-    from trainer.loop import batch_for
+    from trainer.batch import batch_for
 
     rule = algos.get("online_dpo")
     batch = batch_for(groups, rule.Loss(rule.Config()))

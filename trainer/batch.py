@@ -75,6 +75,13 @@ class Batch:
                      self.group_size)
 
 
+def batch_for(groups: list, loss_fn) -> Batch:
+    """The groups packed for the learner: whole, or as much of each as the rule reads (its `trim_group`: online_dpo's
+    chosen and rejected completions)."""
+    trim = getattr(loss_fn, "trim_group", None)
+    return pack([trim(g) for g in groups] if trim else groups)
+
+
 def pack(groups: list) -> Batch:
     k = groups[0].completion_ids.shape[0]
     lens = [[int(n) for n in g.completion_lens] for g in groups]

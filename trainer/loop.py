@@ -15,7 +15,7 @@ from buffer.staleness import too_old
 from launch.cores import Threads, follow_workers, step_runs_alone
 from launch.shared import EPISODE_COUNTERS, Shared
 from trainer import row_metrics
-from trainer.batch import Batch, pack
+from trainer.batch import Batch, batch_for
 from trainer.checkpoint import save_checkpoint
 from trainer.freeze import train_flops_per_token
 from trainer.learner import Learner, Rank
@@ -77,13 +77,6 @@ def run(args: TrainerArgs) -> None:
         pass
     finally:
         dist.destroy_process_group()
-
-
-def batch_for(groups: list, loss_fn) -> Batch:
-    """The groups packed for the learner: whole, or as much of each as the rule reads (its `trim_group`: online_dpo's
-    chosen and rejected completions)."""
-    trim = getattr(loss_fn, "trim_group", None)
-    return pack([trim(g) for g in groups] if trim else groups)
 
 
 def _logger(lead: bool, args: TrainerArgs, start_step: int):

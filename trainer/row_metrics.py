@@ -49,9 +49,8 @@ def episodes(fresh: list) -> dict:
     policy = env = 0
     spreads = []
     for g in fresh:
-        valid = torch.arange(g.completion_ids.shape[1]) < g.completion_lens[:, None]
-        sampled = valid & g.loss_mask
-        policy, env = policy + int(sampled.sum()), env + int((valid & ~g.loss_mask).sum())
+        sampled = g.sampled()
+        policy, env = policy + int(sampled.sum()), env + int(g.completion_lens.sum()) - int(sampled.sum())
         for row, mask in zip(g.versions, sampled):
             versions = row[mask]
             spreads.append(int(versions.max() - versions.min()) if len(versions) else 0)

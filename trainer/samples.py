@@ -40,9 +40,8 @@ class SampleLog:
         if self.file is None:
             return
         for group, k in picks(groups, self.per_step):
-            length = int(group.completion_lens[k])
-            sampled = group.loss_mask[k, :length] & (group.versions[k, :length] >= 0)
-            version = int(group.versions[k, :length][sampled].min()) if sampled.any() else None
+            length, sampled = int(group.completion_lens[k]), group.sampled()[k]
+            version = int(group.versions[k][sampled].min()) if sampled.any() else None
             row = {"step": step, "group": group.group_id, "sample": k, "version": version,
                    "reward": float(group.rewards[k]), "finish": FINISH_REASONS[int(group.finish[k])],
                    "turns": int(group.turns[k]),
