@@ -1,7 +1,7 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
-                               [--attention auto|segments|dense|both] [--head-logits keep|both]
+                               [--attention auto|segments|dense|matmuls|both|<way>,<way>...] [--head-logits keep|both]
                                [--freeze-embeddings as-default|both]
 
 A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
@@ -16,9 +16,14 @@ defaults to fp32 alone). `--compile` also measures bf16 with
 `train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and casts
 around the matmuls), prints its compile time and its speed against eager bf16 in the same run. `--attention`: how
 packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or more per segment, the
-others through the dense mask), `segments` every row with one call per prompt and per completion
-(trainer/attention.py), `dense` every row through the [L, L] shared-prompt mask; `both` measures each dtype
-per segment and dense and ends with `segments_vs_dense=<dense s/step over segments'>` (bf16's, else fp32's).
+CPU rows of a bf16 step under MATMUL_ROW through the dense mask as two matmuls, the others through the dense mask in
+SDPA), `segments`
+every row with one call per prompt and per completion (trainer/attention.py), `dense` every row through the [L, L]
+shared-prompt mask in SDPA, `matmuls` every row, in any dtype, through that mask as two float32 matmuls and a
+softmax. Several,
+comma-separated (`both`: `segments,dense`): per dtype one learner whose steps alternate between them, on one batch;
+ends with `<way>_vs_<last way>=<the last way's median s/step over this one's>` for each other way (bf16's, else
+fp32's).
 `--head-logits both`: one learner, its steps alternating between keeping the output head's logits for the backward
 (trainer/policy.py, the default while they fit in KEEP_LOGITS_BYTES) and recomputing them there, on the same batch;
 ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
@@ -44,6 +49,20 @@ from trainer.batch import pack
 from trainer.freeze import train_flops_per_token
 from trainer.learner import Learner
 from trainer.policy import _HeadLogprob
+
+# --attention: each way's settings of trainer.attention (MIN_ROW: rows at least this long per segment; MATMUL_ROW and
+# MATMUL_DTYPES: CPU rows under it, in a step computing in one of those, through the masked matmuls; the others
+# through the dense mask in SDPA)
+_AS_RUN = {name: getattr(trainer.attention, name) for name in ("MIN_ROW", "MATMUL_ROW", "MATMUL_DTYPES")}
+ATTENTION = {"auto": {}, "segments": {"MIN_ROW": 0}, "dense": {"MIN_ROW": 1 << 62, "MATMUL_ROW": 0},
+             "matmuls": {"MIN_ROW": 1 << 62, "MATMUL_ROW": 1 << 62,
+                         "MATMUL_DTYPES": (torch.bfloat16, torch.float16, torch.float32)}}
+
+
+def attend(way: str) -> None:
+    """Packed rows attend `way` (ATTENTION) from now on."""
+    for name, value in {**_AS_RUN, **ATTENTION[way]}.items():
+        setattr(trainer.attention, name, value)
 
 
 def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
@@ -86,17 +105,17 @@ def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest:
 
 
 def _alternate(ways: dict, steps: int) -> dict:
-    """Median s/step of each of two ways (name -> a function of the step number that takes one), after a warm-up
-    step each, their steps alternating a, b, b, a, ... so that a drifting VM favours neither."""
+    """Median s/step of each way (name -> a function of the step number that takes one), after a warm-up step each,
+    `steps` rounds of one step each, in order then in reverse (a, b, b, a, ...), so that a drifting VM favours none."""
     names = list(ways)
     for name in names:
         ways[name](1)
     times = {name: [] for name in names}
-    for step in range(2 * steps):
-        name = names[(step + step // 2) % 2]
-        start = time.perf_counter()
-        ways[name](step + 2)
-        times[name].append(time.perf_counter() - start)
+    for round_ in range(steps):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            ways[name](len(times[name]) + 2)
+            times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -120,6 +139,26 @@ def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest:
     return medians["recompute"] / medians["keep"]
 
 
+def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int, ways: list[str]) -> dict:
+    """Each --attention way's median s/step, their steps alternating on one learner and batch."""
+    learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
+
+    def step_with(way):
+        def step(n):
+            attend(way)
+            learner.step(data, n)
+        return step
+
+    try:
+        medians = _alternate({way: step_with(way) for way in ways}, steps)
+    finally:
+        attend("auto")
+    each = ", ".join(f"{way} {medians[way]:.2f} s/step" for way in ways)
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} {each} ({steps} steps each, alternated, {data.num_tokens} "
+          f"tokens in rows of {data.segments.shape[1]})")
+    return medians
+
+
 def freeze_embeddings(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
     """Trained embeddings' median s/step over frozen ones' (train.freeze_embeddings), two learners' steps
     alternating on one batch."""
@@ -141,8 +180,9 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also bf16 as train.compile=true")
     parser.add_argument("--dtypes", default="auto",
                         help="fp32, bf16 (autocast) or both; auto: bf16 too where the CPU has it natively")
-    parser.add_argument("--attention", default="auto", choices=["auto", "segments", "dense", "both"],
-                        help="rows: as the trainer, one call per segment, the dense mask, or both (compared)")
+    parser.add_argument("--attention", default="auto",
+                        help="rows: auto (as the trainer), segments, dense, matmuls, or several comma-separated "
+                             "(compared; both = segments,dense)")
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     parser.add_argument("--head-logits", default="keep", choices=["keep", "both"],
@@ -169,35 +209,37 @@ def main():
             dist.destroy_process_group()
             print(f"{figure}={ratios[-1]:.2f}")
             return
+    ways = ["segments", "dense"] if args.attention == "both" else list(dict.fromkeys(args.attention.split(",")))
+    if not set(ways) <= set(ATTENTION):
+        parser.error(f"--attention: each of {', '.join(ways)} must be one of {', '.join(ATTENTION)} (or both)")
+    if len(ways) > 1:
+        medians = [attention_ways(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len, ways)
+                   for name in dtypes][-1]
+        dist.destroy_process_group()
+        for way in ways[:-1]:
+            print(f"{way}_vs_{ways[-1]}={medians[ways[-1]] / medians[way]:.2f}")
+        return
+    attend(ways[0])
     cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
-    ways = ["segments", "dense"] if args.attention == "both" else [args.attention]
-    cases = [(*case, way) for case in cases for way in ways]
-    by_way, min_row = {}, trainer.attention.MIN_ROW
-    for autocast, dtype, compiled, way in cases:
-        trainer.attention.MIN_ROW = {"auto": min_row, "segments": 0, "dense": 1 << 62}[way]
+    for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
         seconds, tokens, flops_per_token, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
                                                   args.completion_len)
-        if not compiled:
-            by_way[way] = seconds
         ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = flops_per_token * tokens / seconds
-        name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "") + \
-            (f" {way}" if len(ways) > 1 else "")
+        name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
         print(f"{name:22s} {tokens} tokens/step  {seconds:.2f} s/step  {tokens / seconds:.0f} tokens/s  "
               f"{achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  MFU {achieved / peak:.1%}  "
               f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} GFLOP/s "
               f"= {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")
         if compiled:
             print(f"compiled vs eager bf16: {seconds_by / seconds:.2f}x")
-        elif way == ways[0]:
+        else:
             mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16 (fp32 without it), as a run
     dist.destroy_process_group()
     if mfu is not None:
         print(f"mfu={mfu:.3f}")
-    if len(ways) > 1:
-        print(f"segments_vs_dense={by_way['dense'] / by_way['segments']:.2f}")
 
 
 if __name__ == "__main__":

@@ -40,22 +40,67 @@ def _logprobs_and_grads(policy, batch):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma", "gpt2"])
-def test_per_segment_attention_gives_the_dense_mask_s_logprobs_and_gradients(kind, monkeypatch):
+def test_per_segment_attention_and_masked_matmuls_give_sdpa_s_logprobs_and_gradients(kind, monkeypatch):
     policy = TokenLogprobs(tiny_model(kind))
     assert policy.segment_attention
     batch = pack(_groups([[40, 1, 17, 33], [5, 60, 2, 9], [21, 21, 21, 21]], prompts=[23, 7, 1], seed=1))
-    monkeypatch.setattr(attention, "MIN_ROW", 10**9)  # every row below it: the dense mask
+    monkeypatch.setattr(attention, "MIN_ROW", 10**9)  # every row below it: the dense mask, through SDPA
+    monkeypatch.setattr(attention, "MATMUL_ROW", 0)
     dense, dense_grads = _logprobs_and_grads(policy, batch)
     used = []
+    monkeypatch.setattr(attention, "_masked_matmuls", lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
+    monkeypatch.setattr(attention, "MATMUL_ROW", 10**9)  # every row below it: the dense mask, as two matmuls
+    monkeypatch.setattr(attention, "MATMUL_DTYPES", (torch.float32,))  # the tiny models' float32 too
+    matmuls, matmul_grads = _logprobs_and_grads(policy, batch)
+    assert len(used) == 2, "the masked matmuls were not taken in both layers"
     monkeypatch.setattr(attention, "MIN_ROW", 1)
     monkeypatch.setattr(Spans, "of", staticmethod(lambda seg, of=Spans.of: used.append(1) or of(seg)))
     spans, span_grads = _logprobs_and_grads(policy, batch)
-    assert used, "the per-segment path was not taken"
+    assert len(used) == 3, "the per-segment path was not taken"
     real = batch.mask.bool()
     assert int(real.sum()) == 40 + 1 + 17 + 33 + 5 + 60 + 2 + 9 + 21 * 4
-    torch.testing.assert_close(spans[real], dense[real], atol=2e-5, rtol=1e-5)
-    for name, grad in dense_grads.items():
-        assert (span_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+    for out, grads in ((spans, span_grads), (matmuls, matmul_grads)):
+        torch.testing.assert_close(out[real], dense[real], atol=2e-5, rtol=1e-5)
+        for name, grad in dense_grads.items():
+            assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
+def test_the_layout_by_row_length_and_device():
+    long, short = torch.zeros(2, attention.MIN_ROW, dtype=torch.long), torch.zeros(2, 100, dtype=torch.long)
+    middle = torch.zeros(2, attention.MATMUL_ROW, dtype=torch.long)
+    assert attention.MATMUL_ROW <= attention.MIN_ROW
+    assert isinstance(attention.layout(long)["segment_spans"], Spans)
+    assert attention.layout(short) == {}  # float32: SDPA
+    assert attention.layout(short.to("meta")) == {}  # not a CPU: SDPA's kernels there
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.layout(short) == {"masked_matmuls": True}
+        assert attention.layout(middle) == {}  # SDPA over the dense mask
+        assert attention.layout(short.to("meta")) == {}
+
+
+def test_a_bf16_step_s_short_rows_take_the_masked_matmuls_and_a_float32_one_sdpa(monkeypatch):
+    used = []
+    monkeypatch.setattr(attention, "_masked_matmuls", lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
+    policy = TokenLogprobs(tiny_model("llama3"))
+    short = pack(_groups([[3, 4], [5, 1]], prompts=[4, 4]))
+    args = short.input_ids, short.position_ids, short.segments, short.gather, short.targets, 1.0
+    policy(*args)
+    assert not used
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = policy(*args)
+    assert len(used) == 2 and torch.isfinite(out).all()  # both layers
+
+
+def test_masked_matmuls_take_an_additive_mask_and_grouped_heads_as_sdpa_does():
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, h, 7, 8, generator=g) for h in (6, 2, 2))
+    allowed = torch.rand(2, 1, 7, 7, generator=g) > 0.4
+    allowed |= torch.eye(7, dtype=torch.bool)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, -1e9)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(3, 1),
+                                                            value.repeat_interleave(3, 1), attn_mask=allowed, scale=0.3)
+    for mask in (allowed, additive):
+        torch.testing.assert_close(attention._masked_matmuls(query, key, value, mask, 0.3), want)
 
 
 def test_short_rows_keep_the_dense_mask_and_eager_models_keep_their_attention(monkeypatch):

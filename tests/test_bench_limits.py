@@ -80,3 +80,26 @@ def test_the_frozen_embeddings_comparison_alternates_two_learners(tiny_model_dir
     assert ratio > 0
     frozen, trained = (True, False), (False, True)
     assert seen == [frozen, trained, frozen, trained, trained, frozen]
+
+
+def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restores_the_trainer_s(tiny_model_dir,
+                                                                                              monkeypatch):
+    """bench/train_step.py --attention matmuls,dense: steps alternate between the ways; the trainer's settings after."""
+    from transformers import AutoTokenizer
+
+    import bench.train_step as train_step
+    import trainer.attention as attention
+
+    as_run = attention.MIN_ROW, attention.MATMUL_ROW, attention.MATMUL_DTYPES
+    seen, learners = [], set()
+    step = train_step.Learner.step
+    monkeypatch.setattr(train_step.Learner, "step", lambda self, *a: learners.add(id(self)) or seen.append(
+        (attention.MIN_ROW, attention.MATMUL_ROW, torch.float32 in attention.MATMUL_DTYPES)) or step(self, *a))
+    medians = train_step.attention_ways(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo",
+                                        8, ["matmuls", "dense", "segments"])
+    assert set(medians) == {"matmuls", "dense", "segments"} and min(medians.values()) > 0
+    matmuls, dense, segments = (1 << 62, 1 << 62, True), (1 << 62, 0, False), (0, as_run[1], False)
+    # a warm-up each, then the ways in order and in reverse
+    assert seen == [matmuls, dense, segments, matmuls, dense, segments, segments, dense, matmuls]
+    assert len(learners) == 1
+    assert (attention.MIN_ROW, attention.MATMUL_ROW, attention.MATMUL_DTYPES) == as_run

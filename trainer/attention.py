@@ -13,7 +13,9 @@ built on that interface (Llama, Qwen, Mistral, GPT-2, ...). `use_segment_attenti
 where the model allows (otherwise it keeps its own attention with the dense mask); `Spans.of(segments)` is the
 layout the forward passes down to it as `segment_spans=`. Without that argument it is plain SDPA, so generation
 and any other caller of the model are unchanged. Short rows keep the dense mask (`Spans.worth_it`): there the
-square is small and one kernel call beats K + 1.
+square is small and one kernel call beats K + 1. On a CPU the shortest rows of a bf16 step (the default run's) go
+through that mask as two float32 matmuls and a softmax (`_masked_matmuls`) rather than SDPA, whose CPU kernel is slow
+with a mask at these sizes, its backward most (`layout` and `MATMUL_DTYPES` decide).
 """
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +29,14 @@ NAME = "ringrl_segments"
 # K + 1 small ones: on a 2-core CPU in bf16 the two cross between rows of 370 and 730 tokens (docs/benchmarks.md;
 # `python -m bench.train_step --completion-len N --attention both` compares them).
 MIN_ROW = 512
+# CPU rows shorter than this take `_masked_matmuls`. A whole bf16 learner step on 8 groups against SDPA's, on a 2-core
+# AMD EPYC with AVX-512 bf16 (one learner, the two ways' steps alternating; `python -m bench.train_step --attention
+# matmuls,dense` compares them in two learners): 1.16x faster at rows of 110 tokens, 1.09x at 136 (the default run's),
+# 1.10x at 170, the same at 190, 0.77-0.94x at 218-245: past that, each [L, L] score matrix outgrows the core's cache.
+MATMUL_ROW = 192
+# ... in a step that computes in one of these dtypes (CPU autocast's, else float32): a float32 step at rows of 136 was
+# 0.95-0.96x SDPA's
+MATMUL_DTYPES = (torch.bfloat16, torch.float16)
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention arguments the per-segment calls do not apply
 
 
@@ -65,12 +75,48 @@ class Spans:
         return self.masks[key]
 
 
+def layout(segments: torch.Tensor) -> dict:
+    """The keywords a forward over these packed rows hands down to `segment_attention`: long rows their `Spans`,
+    short rows of a bf16 step on a CPU `masked_matmuls=True`, the others none (SDPA with the dense mask)."""
+    if Spans.worth_it(segments):
+        return {"segment_spans": Spans.of(segments)}
+    if segments.device.type == "cpu" and segments.shape[1] < MATMUL_ROW:
+        computes_in = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+        if computes_in in MATMUL_DTYPES:
+            return {"masked_matmuls": True}
+    return {}
+
+
+def _masked_matmuls(query, key, value, attention_mask, scaling: float | None) -> torch.Tensor:
+    """Attention in float32 whatever the inputs' dtype (under autocast the rotated queries and keys come in float32,
+    the values in bf16): query [R, H, L, d], key and value [R, H_kv, L, d], a bool (True: attend) or additive float
+    mask broadcast over [R, H, L, L] -> [R, H, L, d] in the query's dtype. The query
+    heads that share a key head read it in place."""
+    rows, heads, length, dim = query.shape
+    share = heads // key.shape[1]
+    q = query.float().view(rows, key.shape[1], share, length, dim)  # [R, H_kv, share, L, d]
+    scores = torch.matmul(q, key.float().unsqueeze(2).transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
+    mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 4 else attention_mask  # [R, 1, 1, L, L]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    out = torch.matmul(scores.softmax(-1), value.float().unsqueeze(2))
+    return out.view(rows, heads, length, dim).to(query.dtype)
+
+
 def segment_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,
-                      dropout: float = 0.0, segment_spans: Spans | None = None, **kwargs):
+                      dropout: float = 0.0, segment_spans: Spans | None = None, masked_matmuls: bool = False,
+                      **kwargs):
     """query [R, H, L, d], key and value [R, H_kv, L, d] -> ([R, L, H, d], None), as transformers' attention
-    functions. Without `segment_spans`, or for a layer whose attention is more than a softmax over the allowed keys
-    (a sliding window, logit soft-capping, sink logits), transformers' own SDPA with `attention_mask`."""
-    if segment_spans is None or any(kwargs.get(name) is not None for name in UNSUPPORTED):
+    functions. With `masked_matmuls`, `_masked_matmuls` over `attention_mask`.
+    Without either, or for a layer whose attention is more than a softmax over the allowed keys (a sliding window,
+    logit soft-capping, sink logits), transformers' own SDPA with `attention_mask` (`masked_matmuls` applies no
+    dropout either)."""
+    plain = any(kwargs.get(name) is not None for name in UNSUPPORTED)
+    if masked_matmuls and attention_mask is not None and not (plain or dropout):
+        return _masked_matmuls(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if segment_spans is None or plain:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

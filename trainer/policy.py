@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from engines.buckets import engine_name
-from trainer.attention import Spans, use_segment_attention
+from trainer.attention import layout, use_segment_attention
 from trainer.batch import PAD
 from trainer.lora import Adapters, merged
 
@@ -35,7 +35,7 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
-        spans = {"segment_spans": Spans.of(segments)} if self.segment_attention and Spans.worth_it(segments) else {}
+        spans = layout(segments) if self.segment_attention else {}
         # use_cache=False: no KV cache to fill (and, under activation checkpointing, none that the recomputed
         # forward would append to a second time)
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
