@@ -101,6 +101,11 @@ def test_masked_matmuls_take_an_additive_mask_and_grouped_heads_as_sdpa_does():
                                                             value.repeat_interleave(3, 1), attn_mask=allowed, scale=0.3)
     for mask in (allowed, additive):
         torch.testing.assert_close(attention._masked_matmuls(query, key, value, mask, 0.3), want)
+    per_head = torch.rand(2, 6, 7, 7, generator=g) > 0.4  # a mask of its own for each query head
+    per_head |= torch.eye(7, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(3, 1),
+                                                            value.repeat_interleave(3, 1), attn_mask=per_head)
+    torch.testing.assert_close(attention._masked_matmuls(query, key, value, per_head, None), want)
 
 
 def test_short_rows_keep_the_dense_mask_and_eager_models_keep_their_attention(monkeypatch):

@@ -29,10 +29,10 @@ NAME = "ringrl_segments"
 # K + 1 small ones: on a 2-core CPU in bf16 the two cross between rows of 370 and 730 tokens (docs/benchmarks.md;
 # `python -m bench.train_step --completion-len N --attention both` compares them).
 MIN_ROW = 512
-# CPU rows shorter than this take `_masked_matmuls`. A whole bf16 learner step on 8 groups against SDPA's, on a 2-core
-# AMD EPYC with AVX-512 bf16 (one learner, the two ways' steps alternating; `python -m bench.train_step --attention
-# matmuls,dense` compares them in two learners): 1.16x faster at rows of 110 tokens, 1.09x at 136 (the default run's),
-# 1.10x at 170, the same at 190, 0.77-0.94x at 218-245: past that, each [L, L] score matrix outgrows the core's cache.
+# CPU rows shorter than this take `_masked_matmuls`. A whole bf16 learner step on 8 groups against SDPA's, one learner
+# alternating the two, on a 2-core AMD EPYC with AVX-512 bf16 (`python -m bench.train_step --attention matmuls,dense
+# --dtypes bf16 --completion-len N`): 1.13x faster at rows of 110 tokens, 1.13x at 136 (the default run's), 1.17x at
+# 170, 1.03x at 190, 0.93x at 218; past that each [L, L] score matrix outgrows the core's cache (0.8-0.9x at 245-331).
 MATMUL_ROW = 192
 # ... in a step that computes in one of these dtypes (CPU autocast's, else float32): a float32 step at rows of 136 was
 # 0.95-0.96x SDPA's
@@ -90,13 +90,14 @@ def layout(segments: torch.Tensor) -> dict:
 def _masked_matmuls(query, key, value, attention_mask, scaling: float | None) -> torch.Tensor:
     """Attention in float32 whatever the inputs' dtype (under autocast the rotated queries and keys come in float32,
     the values in bf16): query [R, H, L, d], key and value [R, H_kv, L, d], a bool (True: attend) or additive float
-    mask broadcast over [R, H, L, L] -> [R, H, L, d] in the query's dtype. The query
-    heads that share a key head read it in place."""
+    mask [R, 1 or H, L, L] -> [R, H, L, d] in the query's dtype. The query heads that share a key head read it in
+    place."""
     rows, heads, length, dim = query.shape
-    share = heads // key.shape[1]
-    q = query.float().view(rows, key.shape[1], share, length, dim)  # [R, H_kv, share, L, d]
+    groups = key.shape[1]
+    q = query.float().view(rows, groups, heads // groups, length, dim)  # [R, H_kv, H / H_kv, L, d]
     scores = torch.matmul(q, key.float().unsqueeze(2).transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
-    mask = attention_mask.unsqueeze(1) if attention_mask.dim() == 4 else attention_mask  # [R, 1, 1, L, L]
+    mask = attention_mask.unsqueeze(1) if attention_mask.shape[1] == 1 else \
+        attention_mask.view(attention_mask.shape[0], groups, heads // groups, *attention_mask.shape[2:])  # per head
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:

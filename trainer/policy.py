@@ -24,7 +24,8 @@ class TokenLogprobs(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
-        # Long rows skip the dense mask's masked-out pairs (trainer/attention.py), where the model allows it.
+        # Long rows skip the dense mask's masked-out pairs, and a bf16 step's short rows skip SDPA's CPU kernel
+        # (trainer/attention.py), where the model allows it.
         self.segment_attention = use_segment_attention(lm)
 
     def published_shapes(self) -> list[tuple[str, torch.Tensor]]:
@@ -35,11 +36,11 @@ class TokenLogprobs(nn.Module):
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         mask = _shared_prompt_mask(segments)
-        spans = layout(segments) if self.segment_attention else {}
+        attend = layout(segments) if self.segment_attention else {}
         # use_cache=False: no KV cache to fill (and, under activation checkpointing, none that the recomputed
         # forward would append to a second time)
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                    use_cache=False, **spans).last_hidden_state
+                                    use_cache=False, **attend).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
         return self.head(picked.flatten(0, 1), targets, temperature, entropy)
 
