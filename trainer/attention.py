@@ -33,6 +33,9 @@ MIN_ROW = 512
 # alternating the two, on a 2-core AMD EPYC with AVX-512 bf16 (`python -m bench.train_step --attention matmuls,dense
 # --dtypes bf16 --completion-len N`): 1.13x faster at rows of 110 tokens, 1.13x at 136 (the default run's), 1.17x at
 # 170, 1.03x at 190, 0.93x at 218; past that each [L, L] score matrix outgrows the core's cache (0.8-0.9x at 245-331).
+# The backward keeps each layer's float32 probabilities, [R, H, L, L] (SDPA keeps [R, H, L]): 2.7 MB a layer for the
+# default run's 4 rows of 136 tokens, at most 4096 x 191 x H x 4 bytes (28 MB at SmolLM2's 9 heads) for a pass of
+# train.micro_tokens=4096.
 MATMUL_ROW = 192
 # ... in a step that computes in one of these dtypes (CPU autocast's, else float32): a float32 step at rows of 136 was
 # 0.95-0.96x SDPA's
