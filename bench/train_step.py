@@ -17,13 +17,11 @@ defaults to fp32 alone). `--compile` also measures bf16 with
 around the matmuls), prints its compile time and its speed against eager bf16 in the same run. `--attention`: how
 packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or more per segment, the
 CPU rows of a bf16 step under MATMUL_ROW through the dense mask as two matmuls, the others through the dense mask in
-SDPA), `segments`
-every row with one call per prompt and per completion (trainer/attention.py), `dense` every row through the [L, L]
-shared-prompt mask in SDPA, `matmuls` every row, in any dtype, through that mask as two float32 matmuls and a
-softmax. Several,
-comma-separated (`both`: `segments,dense`): per dtype one learner whose steps alternate between them, on one batch;
-ends with `<way>_vs_<last way>=<the last way's median s/step over this one's>` for each other way (bf16's, else
-fp32's).
+SDPA), `segments` every row with one call per prompt and per completion (trainer/attention.py), `dense` every row
+through the [L, L] shared-prompt mask in SDPA, `matmuls` every row, in any dtype, through that mask as two float32
+matmuls and a softmax. Several, comma-separated (`both`: `segments,dense`): per dtype one learner whose steps
+alternate between them on one batch, each way's s/step and MFU; ends with `<way>_vs_<last way>=<the last way's
+median s/step over this one's>` for each other way (bf16's, else fp32's).
 `--head-logits both`: one learner, its steps alternating between keeping the output head's logits for the backward
 (trainer/policy.py, the default while they fit in KEEP_LOGITS_BYTES) and recomputing them there, on the same batch;
 ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
@@ -153,7 +151,9 @@ def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longe
         medians = _alternate({way: step_with(way) for way in ways}, steps)
     finally:
         attend("auto")
-    each = ", ".join(f"{way} {medians[way]:.2f} s/step" for way in ways)
+    flops, peak = train_flops_per_token(learner.policy.lm) * data.num_tokens, \
+        matmul_peak_flops(torch.bfloat16 if autocast else torch.float32)
+    each = ", ".join(f"{way} {medians[way]:.2f} s/step (MFU {flops / medians[way] / peak:.1%})" for way in ways)
     print(f"{'bf16 autocast' if autocast else 'fp32':14s} {each} ({steps} steps each, alternated, {data.num_tokens} "
           f"tokens in rows of {data.segments.shape[1]})")
     return medians

@@ -83,7 +83,7 @@ def test_the_frozen_embeddings_comparison_alternates_two_learners(tiny_model_dir
 
 
 def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restores_the_trainer_s(tiny_model_dir,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, capsys):
     """bench/train_step.py --attention matmuls,dense: steps alternate between the ways; the trainer's settings after."""
     from transformers import AutoTokenizer
 
@@ -95,6 +95,7 @@ def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restore
     step = train_step.Learner.step
     monkeypatch.setattr(train_step.Learner, "step", lambda self, *a: learners.add(id(self)) or seen.append(
         (attention.MIN_ROW, attention.MATMUL_ROW, torch.float32 in attention.MATMUL_DTYPES)) or step(self, *a))
+    monkeypatch.setattr(train_step, "matmul_peak_flops", lambda dtype: 1e15)  # not timed here
     medians = train_step.attention_ways(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo",
                                         8, ["matmuls", "dense", "segments"])
     assert set(medians) == {"matmuls", "dense", "segments"} and min(medians.values()) > 0
@@ -103,3 +104,5 @@ def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restore
     assert seen == [matmuls, dense, segments, matmuls, dense, segments, segments, dense, matmuls]
     assert len(learners) == 1
     assert (attention.MIN_ROW, attention.MATMUL_ROW, attention.MATMUL_DTYPES) == as_run
+    line = capsys.readouterr().out
+    assert line.startswith("fp32") and all(f"{way} {medians[way]:.2f} s/step (MFU " in line for way in medians)
