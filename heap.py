@@ -19,24 +19,28 @@ _MALLOPT = _libc("mallopt")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 MMAP_MAX, MMAP_THRESHOLD_MAX, TRIM_THRESHOLD_MAX = 65536, 32 << 20, 64 << 20
 KEEP_TOP = 256 << 20  # with keep_freed_chunks(True): free space at the heap's top up to this size stays resident
-_kept = False
+TOP_MAX = 1 << 30  # mallopt takes an int
+_kept = 0  # the top kept resident (0: glibc's own settings)
 
 
-def keep_freed_chunks(keep: bool) -> None:
+def keep_freed_chunks(keep: bool, top: int = KEEP_TOP) -> None:
     """Whether large freed chunks stay resident for the next ones. glibc maps every chunk of 32 MB or more on its
     own and unmaps it when it is freed, and gives the top of the heap back past a threshold, so the next step's
     chunks fault their pages in again, zeroed by the kernel: a default learner step's logits and their gradient are
     a few such chunks, 250-600 MB of faults a step. With `keep`, every chunk comes from the heap and up to KEEP_TOP
     of free space stays at its top: the default run's learner time 0.89x, its trainer about 100 MB larger
     (docs/benchmarks.md, "Faster to a reward", session 16). Off again (glibc's settings at their usual steady
-    values) for steps that hand the heap's free pages back anyway; a process that never keeps is left to glibc."""
+    values) for steps that hand the heap's free pages back anyway; a process that never keeps is left to glibc.
+    `top`: more free space at the top stays resident (capped at TOP_MAX), for a process that frees more than KEEP_TOP
+    at once and makes it again (an engine's blocked weights, engines/builtin.py)."""
     global _kept
-    if _MALLOPT is None or keep == _kept:
+    top = min(top, TOP_MAX) if keep else 0
+    if _MALLOPT is None or top == _kept:
         return
-    _kept = keep
+    _kept = top
     if keep:
         _MALLOPT(M_MMAP_MAX, 0)
-        _MALLOPT(M_TRIM_THRESHOLD, KEEP_TOP)
+        _MALLOPT(M_TRIM_THRESHOLD, top)
     else:
         _MALLOPT(M_MMAP_MAX, MMAP_MAX)
         _MALLOPT(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)

@@ -20,7 +20,7 @@ from engines.arch import forward_for
 from engines.base import Completion, Request, check_request, completes_stop_string
 from engines.buckets import unpack
 from engines.sampler import counter_uniform, sample
-from heap import release_free_heap
+from heap import KEEP_TOP, keep_freed_chunks, release_free_heap
 
 
 @dataclass
@@ -350,8 +350,15 @@ class BuiltinEngineSpec:
             if self.memory_fraction:
                 torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
         # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
-        yield BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
-                            self.max_len, seed, getattr(torch, self.dtype), device)
+        engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
+                               self.max_len, seed, getattr(torch, self.dtype), device)
+        if device.type == "cpu" and not engine.release_when_idle:
+            # Such an engine frees its blocked weights every version and makes them again at once (engines/llama.py),
+            # and its decode steps' logits every step: chunks that glibc would unmap or trim, and the next ones fault
+            # their pages in again (about 70 of the 120 ms of blocking SmolLM2's weights). Kept resident instead:
+            # the default run's wait for its batch about 0.9x (docs/benchmarks.md, session 21).
+            keep_freed_chunks(True, top=KEEP_TOP + sum(t.nbytes for t in engine.weight_tensors().values()))
+        yield engine
 
 
 SPEC = BuiltinEngineSpec  # what engines.ENGINES.get("builtin") offers

@@ -366,6 +366,23 @@ def test_an_engine_that_cannot_stop_on_text_is_cut_after_the_stop_string():
     assert cut_at_stop_string(done, ("</python>",), vocabulary) == done
 
 
+@pytest.mark.parametrize("large_cache", [False, True])
+def test_a_cpu_engine_s_process_keeps_the_chunks_it_frees_and_makes_again(tiny_model_dir, monkeypatch, large_cache):
+    """A CPU engine that keeps its cache frees its blocked weights every version and makes them again at once: the
+    process that opens it keeps freed chunks resident, up to its weights' bytes above heap.KEEP_TOP. One whose
+    cache is handed back while idle hands the heap's pages back too, and keeps nothing."""
+    import engines.builtin
+    from heap import KEEP_TOP
+
+    calls = []
+    monkeypatch.setattr(engines.builtin, "keep_freed_chunks", lambda keep, top: calls.append((keep, top)))
+    monkeypatch.setattr(BuiltinEngine, "IDLE_RELEASE_BYTES", 1 if large_cache else 1 << 40)
+    with engines.builtin.BuiltinEngineSpec.on_cpu(2, 48, "float32").open(tiny_model_dir, 0) as engine:
+        weights = sum(t.nbytes for t in engine.weight_tensors().values())
+        assert engine.release_when_idle == large_cache
+    assert calls == ([] if large_cache else [(True, KEEP_TOP + weights)])
+
+
 def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_tokens(model, monkeypatch):
     prompts = random_prompts([4, 9, 4, 7])
     batches = [[Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts[:2])],
