@@ -455,6 +455,32 @@ def test_a_frozen_head_s_backward_makes_only_the_hidden_rows_gradient(monkeypatc
     assert flops[1] == flops[0] // 2  # of its two [50, 16] x [16, 300] products, only the hidden rows' is left
 
 
+def test_a_frozen_head_is_cast_once_while_its_values_last():
+    """Under autocast a frozen head (the tied embeddings) is cast to bf16 once, not in every forward and backward;
+    again after its values change in place or its storage is replaced; a trained head is left to the head's own
+    cast; and the logprobs are those of the cast made every time."""
+    from trainer.policy import _frozen_cast, head_logprobs
+
+    head, hidden, targets, _ = _head_case(bias=False)
+    head.requires_grad_(False)
+    cast = _frozen_cast(head.weight, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, head.weight.to(torch.bfloat16))
+    assert _frozen_cast(head.weight, torch.bfloat16) is cast and _frozen_cast(head.weight, torch.float32) is head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached, _ = head_logprobs(hidden, head, targets, 0.7)
+    with torch.no_grad():
+        head.weight.mul_(2)
+    again = _frozen_cast(head.weight, torch.bfloat16)
+    assert again is not cast and torch.equal(again, head.weight.to(torch.bfloat16))
+    head.weight.data = head.weight.data.clone().div_(2)  # a new storage (hold_frozen_in), the old values
+    assert _frozen_cast(head.weight, torch.bfloat16) is not again
+    head.requires_grad_(True)
+    assert _frozen_cast(head.weight, torch.bfloat16) is head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        uncached, _ = head_logprobs(hidden, head, targets, 0.7)
+    assert torch.equal(cached, uncached.detach())
+
+
 def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir):
     """train.freeze_layers / train.freeze_embeddings: those weights keep their values and get no AdamW state, the
     backward records nothing below the first trained layer, and the rest trains."""
