@@ -85,12 +85,12 @@ class _HeadLogprob(torch.autograd.Function):
     Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). The forward keeps the chunks' float32 softmax for
     the backward while all of them fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one
     lm_head matmul fewer, `python -m bench.train_step --head-logits both`); past that the backward recomputes each
-    chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd
-    would write the logits, a float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU
-    those passes cost more than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for
-    one micro-batch of long completions. The backward holds the logits' gradient [N, V] in the compute dtype only
-    while it is at most WHOLE_GRAD_BYTES (two matmuls over all rows); past that, as for GSM8K's 8 x 512-token groups
-    (400 MB), it goes chunk by chunk, the weight's gradient summed in float32.
+    chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd would write the logits, a
+    float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those passes cost more
+    than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one micro-batch of long
+    completions. The backward holds the logits' gradient [N, V] in the compute dtype only while it is at most
+    WHOLE_GRAD_BYTES (two matmuls over all rows); past that, as for GSM8K's 8 x 512-token groups (400 MB), it goes
+    chunk by chunk, the weight's gradient summed in float32.
     """
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
     WHOLE_GRAD_BYTES = KEEP_LOGITS_BYTES = 256 << 20
