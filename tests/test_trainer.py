@@ -322,7 +322,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     (((True,),), 320, False), (((True, 512 << 20),), 320, True), (((True, 512 << 20), (True,)), 320, False)])
 def test_a_kept_large_chunk_s_pages_are_not_faulted_in_again(calls, mb, kept):
     """heap.keep_freed_chunks(True): a 64 MB chunk freed and allocated again reuses its resident pages. Left to glibc,
-    or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages again."""
+    or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages again. A 320 MB chunk
+    is handed back at KEEP_TOP and kept under a larger `top`, until a later call asks for KEEP_TOP again."""
     script = KEEP.replace("CALLS", repr(calls)).replace("SIZE", str(mb << 20))
     faults = int(_run_with_libc(script, "_MALLOPT"))
     assert faults < 16 if kept else faults >= mb // 2, faults  # 64 MB is 32 faults even in 2 MB transparent huge pages
