@@ -45,8 +45,8 @@ from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
 from trainer.batch import pack
 from trainer.freeze import train_flops_per_token
+from trainer.head import _HeadLogprob
 from trainer.learner import Learner
-from trainer.policy import _HeadLogprob
 
 # --attention: each way's settings of trainer.attention (MIN_ROW: rows at least this long per segment; MATMUL_ROW and
 # MATMUL_DTYPES: CPU rows under it, in a step computing in one of those, through the masked matmuls; the others

@@ -52,7 +52,7 @@ def test_the_head_logits_comparison_alternates_both_ways_and_leaves_the_default(
     from transformers import AutoTokenizer
 
     import bench.train_step as train_step
-    from trainer.policy import _HeadLogprob
+    from trainer.head import _HeadLogprob
 
     seen = []
     step = train_step.Learner.step

@@ -342,7 +342,7 @@ def _head_case(bias: bool):
 @pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypatch, dtype, bias):
     """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the same."""
-    from trainer.policy import _HeadLogprob, head_logprobs
+    from trainer.head import _HeadLogprob, head_logprobs
 
     head, hidden, targets, weights = _head_case(bias)
     monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows
@@ -366,20 +366,20 @@ def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradi
     """Small enough, the forward's logits serve the backward: no second lm_head matmul, the same bits; a second
     backward (retain_graph) recomputes them, since the first overwrote them; a forward without gradients keeps
     nothing."""
-    import trainer.policy as policy
+    import trainer.head as head_module
 
     head, hidden, targets, weights = _head_case(bias=False)
-    monkeypatch.setattr(policy._HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows: 8 chunks
+    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows: 8 chunks
     calls = []
-    logits = policy._logits
-    monkeypatch.setattr(policy, "_logits", lambda *a: calls.append(1) or logits(*a))
+    logits = head_module._logits
+    monkeypatch.setattr(head_module, "_logits", lambda *a: calls.append(1) or logits(*a))
 
     def run(keep: int, twice: bool = False):
-        monkeypatch.setattr(policy._HeadLogprob, "KEEP_LOGITS_BYTES", keep)
+        monkeypatch.setattr(head_module._HeadLogprob, "KEEP_LOGITS_BYTES", keep)
         h = hidden.clone().requires_grad_()
         head.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out, _ = policy.head_logprobs(h, head, targets, 0.7)
+            out, _ = head_module.head_logprobs(h, head, targets, 0.7)
         calls.clear()
         (out * weights).sum().backward(retain_graph=twice)
         grads, backward_calls = [h.grad.clone(), head.weight.grad.clone()], len(calls)
@@ -395,18 +395,18 @@ def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradi
     for a, b, c in zip(kept, recomputed, again):
         assert a.abs().sum() > 0
         assert torch.equal(a, b) and torch.equal(a, c)
-    kept_lists, forward = [], policy._HeadLogprob.forward
+    kept_lists, forward = [], head_module._HeadLogprob.forward
 
     def watched(ctx, *args):
         out = forward(ctx, *args)
         kept_lists.append(ctx.kept)
         return out
 
-    monkeypatch.setattr(policy._HeadLogprob, "forward", staticmethod(watched))
-    monkeypatch.setattr(policy._HeadLogprob, "KEEP_LOGITS_BYTES", 1 << 30)
+    monkeypatch.setattr(head_module._HeadLogprob, "forward", staticmethod(watched))
+    monkeypatch.setattr(head_module._HeadLogprob, "KEEP_LOGITS_BYTES", 1 << 30)
     with torch.no_grad():  # the proximal and reference passes
-        policy.head_logprobs(hidden, head, targets, 0.7)
-    policy.head_logprobs(hidden, head, targets, 0.7)
+        head_module.head_logprobs(hidden, head, targets, 0.7)
+    head_module.head_logprobs(hidden, head, targets, 0.7)
     assert kept_lists[0] is None and kept_lists[1].shape == (50, 300)
 
 
@@ -436,7 +436,7 @@ def test_a_frozen_head_s_backward_makes_only_the_hidden_rows_gradient(monkeypatc
     lm_head matmul fewer), and the hidden rows' gradient is the same bits, whole or chunk by chunk."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.policy import _HeadLogprob, head_logprobs
+    from trainer.head import _HeadLogprob, head_logprobs
 
     head, hidden, targets, weights = _head_case(bias=True)
     monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)
@@ -460,7 +460,7 @@ def test_a_frozen_head_is_cast_once_while_its_values_last():
     """Under autocast a frozen head (the tied embeddings) is cast to bf16 once, not in every forward and backward;
     again after its values change in place or its storage is replaced; a trained head is left to the head's own
     cast; and the logprobs are those of the cast made every time."""
-    from trainer.policy import _frozen_cast, head_logprobs
+    from trainer.head import _frozen_cast, head_logprobs
 
     head, hidden, targets, _ = _head_case(bias=False)
     head.requires_grad_(False)

@@ -1,0 +1,133 @@
+"""The output head's per-token log-probabilities, without the [rows, vocabulary] tensors plain autograd would hold:
+`head_logprobs` for `TokenLogprobs.head` (trainer/policy.py)."""
+import weakref
+
+import torch
+from torch import nn
+
+
+def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy: bool = False):
+    """log_softmax(head(hidden) / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast dtype if
+    autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision); and the
+    entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    return _HeadLogprob.apply(hidden, _frozen_cast(head.weight, dtype), head.bias, targets, temperature, dtype,
+                              entropy, torch.is_grad_enabled())
+
+
+_casts: dict[int, tuple] = {}  # id(weight) -> (its weak reference, what it was cast from, the cast)
+
+
+def _frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A frozen weight (train.freeze_embeddings: the tied head) in `dtype`, cast once while its values last (its
+    version counter and storage unchanged), not twice a step: 20 ms each for SmolLM2's 28M in bf16 on 2 cores.
+    A trained weight is returned as it is (the head casts it)."""
+    if weight.requires_grad or weight.dtype == dtype:
+        return weight
+    key, held = (weight._version, weight.data_ptr(), dtype), _casts.get(id(weight))
+    if held is None or held[0]() is not weight or held[1] != key:
+        forget = weakref.ref(weight, lambda _, i=id(weight): _casts.pop(i, None))  # the cast goes with the weight
+        held = _casts[id(weight)] = (forget, key, weight.detach().to(dtype))
+    return held[2]
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N] float32.
+
+    Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). The forward keeps the chunks' float32 softmax for
+    the backward while all of them fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one
+    lm_head matmul fewer, `python -m bench.train_step --head-logits both`); past that the backward recomputes each
+    chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd would write the logits, a
+    float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those passes cost more
+    than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one micro-batch of long
+    completions. The backward holds the logits' gradient [N, V] in the compute dtype only while it is at most
+    WHOLE_GRAD_BYTES (two matmuls over all rows); past that, as for GSM8K's 8 x 512-token groups (400 MB), it goes
+    chunk by chunk, the weight's gradient summed in float32.
+    """
+    CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
+    WHOLE_GRAD_BYTES = KEEP_LOGITS_BYTES = 256 << 20
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled):
+        device = hidden.device
+        chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
+        with torch.autocast(device.type, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            out = torch.empty(len(h), device=device)
+            ent = torch.empty(len(h) if entropy else 0, device=device)
+            # the backward's, when there is one and they are small: it then needs no second lm_head matmul
+            keep = grad_enabled and any(ctx.needs_input_grad[:3]) and \
+                len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
+            kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
+            for rows in _chunks(len(h), w.shape[0], chunk):
+                log_probs = _log_probs(h[rows], w, b, temperature)
+                out[rows] = log_probs.gather(-1, targets[rows, None]).squeeze(-1)
+                if kept is not None or entropy:  # the backward's softmax, made once here
+                    probs = log_probs.exp() if kept is None else torch.exp(log_probs, out=kept[rows])
+                    if entropy:  # H = -sum_v p_v log p_v, one dot product a row
+                        ent[rows] = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)
+        ctx.save_for_backward(h, weight, bias, targets)
+        ctx.temperature, ctx.hidden_dtype, ctx.chunk, ctx.kept = temperature, hidden.dtype, chunk, kept
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad, _entropy_grad):
+        h, weight, bias, targets = ctx.saved_tensors
+        temp = ctx.temperature
+        scale = grad / temp
+
+        kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
+
+        def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp).exp_()  # the forward's bits
+            return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None])
+
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(h.dtype)
+            b = None if bias is None else bias.to(h.dtype)
+            chunks = _chunks(len(h), w.shape[0], ctx.chunk)
+            if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
+                # in float32 the gradient takes the kept logits' place: no more memory than before they were kept
+                same = kept is not None and kept.dtype == h.dtype
+                whole = kept if same else torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
+                for rows in chunks:
+                    g = grad_logits(rows, w, b)
+                    if not same:
+                        whole[rows] = g
+                grad_h = whole @ w if ctx.needs_input_grad[0] else None
+                grad_w = whole.T @ h if ctx.needs_input_grad[1] else None  # none for a frozen head
+                grad_b = None if bias is None or not ctx.needs_input_grad[2] else whole.float().sum(0)
+            else:
+                need_h, need_w, need_b = ctx.needs_input_grad[:3]
+                grad_h = torch.empty_like(h) if need_h else None
+                grad_w = torch.zeros(w.shape, device=h.device) if need_w else None
+                grad_b = torch.zeros(w.shape[0], device=h.device) if bias is not None and need_b else None
+                for rows in chunks:
+                    g = grad_logits(rows, w, b).to(h.dtype)
+                    if need_h:
+                        grad_h[rows] = g @ w
+                    if need_w:
+                        grad_w += g.T @ h[rows]
+                    if grad_b is not None:
+                        grad_b += g.float().sum(0)
+        return (None if grad_h is None else grad_h.to(ctx.hidden_dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def _logits(h, w, b, temperature):
+    logits = torch.nn.functional.linear(h, w, b).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _log_probs(h, w, b, temperature):
+    # log_softmax's fused kernel: one pass where logsumexp and a subtraction over the [rows, V] logits took three
+    return torch.log_softmax(_logits(h, w, b, temperature), -1)
+
+
+def _chunks(n: int, vocab: int, chunk_bytes: int):
+    step = max(1, chunk_bytes // (4 * vocab))
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
