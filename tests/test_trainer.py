@@ -361,6 +361,27 @@ def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypat
         torch.testing.assert_close(chunked, whole, **tol)
 
 
+def test_the_head_s_chunks_reuse_one_set_of_buffers_a_pass(monkeypatch):
+    """The forward and a recomputing backward each make their [chunk, V] buffers once and reuse them for every
+    chunk (a fresh 64 MB tensor faults in all its pages again on the CPU): 8 chunks, 2 float32 buffers a pass."""
+    from torch.profiler import profile
+
+    import trainer.head as head_module
+
+    head, hidden, targets, weights = _head_case(bias=False)
+    chunk_bytes = 7 * 300 * 4
+    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", chunk_bytes)  # chunks of 7 rows: 8 chunks
+    monkeypatch.setattr(head_module._HeadLogprob, "KEEP_LOGITS_BYTES", 0)  # the backward recomputes
+    monkeypatch.setattr(head_module._HeadLogprob, "WHOLE_GRAD_BYTES", 0)  # chunk by chunk
+    h = hidden.clone().requires_grad_()
+    with profile(profile_memory=True) as prof:
+        out, _ = head_module.head_logprobs(h, head, targets, 0.7, entropy=True)
+        (out * weights).sum().backward()
+    chunk_sized = [e.name for e in prof.events() if e.cpu_memory_usage == chunk_bytes]
+    assert h.grad.abs().sum() > 0
+    assert 0 < len(chunk_sized) <= 4, chunk_sized  # made per chunk, they were 101 events here
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradients(monkeypatch, dtype):
     """Small enough, the forward's logits serve the backward: no second lm_head matmul, the same bits; a second

@@ -61,11 +61,13 @@ class _HeadLogprob(torch.autograd.Function):
             keep = grad_enabled and any(ctx.needs_input_grad[:3]) and \
                 len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
             kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
-            for rows in _chunks(len(h), w.shape[0], chunk):
-                log_probs = _log_probs(h[rows], w, b, temperature)
+            chunks = _chunks(len(h), w.shape[0], chunk)
+            scratch = _Scratch(chunks[0].stop, w.shape[0], dtype, device)
+            for rows in chunks:
+                log_probs = _log_probs(h[rows], w, b, temperature, scratch)
                 out[rows] = log_probs.gather(-1, targets[rows, None]).squeeze(-1)
                 if kept is not None or entropy:  # the backward's softmax, made once here
-                    probs = log_probs.exp() if kept is None else torch.exp(log_probs, out=kept[rows])
+                    probs = torch.exp(log_probs, out=scratch.logits[:len(log_probs)] if kept is None else kept[rows])
                     if entropy:  # H = -sum_v p_v log p_v, one dot product a row
                         ent[rows] = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)
         ctx.save_for_backward(h, weight, bias, targets)
@@ -82,13 +84,15 @@ class _HeadLogprob(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
 
         def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
-            probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp).exp_()  # the forward's bits
+            # the forward's softmax, or its bits again
+            probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp, scratch).exp_()
             return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None])
 
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
             b = None if bias is None else bias.to(h.dtype)
             chunks = _chunks(len(h), w.shape[0], ctx.chunk)
+            scratch = _Scratch(chunks[0].stop, w.shape[0], h.dtype, h.device)  # pages touched only if used
             if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
                 # in float32 the gradient takes the kept logits' place: no more memory than before they were kept
                 same = kept is not None and kept.dtype == h.dtype
@@ -106,9 +110,11 @@ class _HeadLogprob(torch.autograd.Function):
                 grad_w = torch.zeros(w.shape, device=h.device) if need_w else None
                 grad_b = torch.zeros(w.shape[0], device=h.device) if bias is not None and need_b else None
                 for rows in chunks:
-                    g = grad_logits(rows, w, b).to(h.dtype)
+                    g = grad_logits(rows, w, b)
+                    if g.dtype != h.dtype:  # the compute dtype's copy, where the matmul went: free by now
+                        g = scratch.matmul[:len(g)].copy_(g)
                     if need_h:
-                        grad_h[rows] = g @ w
+                        torch.mm(g, w, out=grad_h[rows])
                     if need_w:
                         grad_w += g.T @ h[rows]
                     if grad_b is not None:
@@ -118,14 +124,30 @@ class _HeadLogprob(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
-def _logits(h, w, b, temperature):
-    logits = torch.nn.functional.linear(h, w, b).float()
-    return logits / temperature if temperature != 1.0 else logits
+class _Scratch:
+    """Where a chunk's logits go, made once a forward or a backward and reused by every chunk: on the CPU a fresh
+    64 MB tensor is a new mapping whose pages fault in, zeroed, at every chunk, which cost more than the passes over
+    them (docs/benchmarks.md, "Faster to a reward", session 22). `matmul` in the compute dtype, `logits` in float32
+    (the same buffer in float32), `log_probs` float32; `logits` serves again for the entropy's softmax."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        self.matmul = torch.empty(rows, vocab, dtype=dtype, device=device)
+        self.logits = self.matmul if dtype == torch.float32 else torch.empty(rows, vocab, device=device)
+        self.log_probs = torch.empty(rows, vocab, device=device)
 
 
-def _log_probs(h, w, b, temperature):
+def _logits(h, w, b, temperature, scratch: _Scratch):
+    """F.linear(h, w, b).float() / temperature, in scratch.logits: the same bits."""
+    n = len(h)
+    product = scratch.matmul[:n]
+    torch.mm(h, w.T, out=product) if b is None else torch.addmm(b, h, w.T, out=product)
+    logits = product if scratch.logits is scratch.matmul else scratch.logits[:n].copy_(product)
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _log_probs(h, w, b, temperature, scratch: _Scratch):
     # log_softmax's fused kernel: one pass where logsumexp and a subtraction over the [rows, V] logits took three
-    return torch.log_softmax(_logits(h, w, b, temperature), -1)
+    return torch.log_softmax(_logits(h, w, b, temperature, scratch), -1, out=scratch.log_probs[:len(h)])
 
 
 def _chunks(n: int, vocab: int, chunk_bytes: int):
