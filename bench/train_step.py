@@ -2,12 +2,13 @@
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
                                [--attention auto|segments|dense|matmuls|both|<way>,<way>...] [--head-logits keep|both]
-                               [--freeze-embeddings as-default|both]
+                               [--freeze-embeddings as-default|both] [--share-prefix as-default|both] [--groups 8]
 
-A batch is the default run's: 8 prompts of the arithmetic task x 8 completions of random length (4-16
-tokens), packed with the prompt once per group; `--completion-len N` makes them N/4-N tokens long (passes of
-at most 4096 padded tokens, train.micro_tokens' default). MFU = the model FLOPs of the tokens processed per second
-(6 x parameters a token, less what frozen weights skip: trainer/policy.py `train_flops_per_token`), over the
+A batch is the default run's: 8 prompts (`--groups`) of the arithmetic task x 8 completions of random length (4-16
+tokens), packed with the prompt once per group and the prompts' common prefix once a pass (train.share_prefix);
+`--completion-len N` makes them N/4-N tokens long (passes of at most 4096 padded tokens, train.micro_tokens'
+default). MFU = the model FLOPs of the tokens the passes computed per second (a shared prefix's copies left out;
+6 x parameters a token, less what frozen weights skip: trainer/policy.py `train_flops_per_token`), over the
 peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
 model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
 bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
@@ -27,7 +28,8 @@ median s/step over this one's>` for each other way (bf16's, else fp32's).
 ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
 between runs). `--freeze-embeddings both`: two learners on the same batch, their steps alternating, with the input
 embeddings (and the head tied to them) frozen and trained; ends with `frozen_vs_trained=<trained's median s/step over
-frozen's>`.
+frozen's>`. `--share-prefix both`: one learner, its steps alternating between the prompts' common prefix computed once
+a pass and in every row, on the same batch; ends with `shared_vs_whole=<every row's median s/step over shared's>`.
 """
 import argparse
 import socket
@@ -63,11 +65,14 @@ def attend(way: str) -> None:
         setattr(trainer.attention, name, value)
 
 
-def batch(tokenizer, groups=8, k=8, seed=0, longest=16):
-    """Completions of random length in [longest / 4, longest]."""
+GROUPS = 8  # --groups
+
+
+def batch(tokenizer, groups=None, k=8, seed=0, longest=16):
+    """GROUPS prompts unless given, each with k completions of random length in [longest / 4, longest]."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i, prompt in enumerate(task_prompts(tokenizer, groups, seed)):
+    for i, prompt in enumerate(task_prompts(tokenizer, groups or GROUPS, seed)):
         lens = torch.randint(max(1, longest // 4), longest + 1, (k,), generator=g)
         ids = torch.randint(100, 40000, (k, longest), generator=g)
         out.append(Group(torch.tensor(prompt), ids, lens, torch.full((k, longest), -1.0),
@@ -85,9 +90,16 @@ def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: boo
         print(f"compile and first step: {time.perf_counter() - start:.0f} s (inductor caches it for later runs)")
     start = time.perf_counter()
     for step in range(steps):
-        learner.step(data, step + 2)
+        metrics = learner.step(data, step + 2)
     elapsed = (time.perf_counter() - start) / steps
-    return elapsed, data.num_tokens, train_flops_per_token(learner.policy.lm), learner.policy.lm.config
+    return elapsed, (metrics["train/tokens"], computed(metrics)), train_flops_per_token(learner.policy.lm), \
+        learner.policy.lm.config
+
+
+def computed(metrics: dict) -> int:
+    """The tokens a learner step's passes computed: those trained on, less those left to one row's copy of the
+    prompts' common prefix (train.share_prefix), as the run's perf/learner_mfu counts them."""
+    return metrics["train/tokens"] - metrics["train/shared_prefix_tokens"]
 
 
 def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest: int,
@@ -140,18 +152,19 @@ def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest:
 def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int, ways: list[str]) -> dict:
     """Each --attention way's median s/step, their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
+    last = {}
 
     def step_with(way):
         def step(n):
             attend(way)
-            learner.step(data, n)
+            last.update(learner.step(data, n))
         return step
 
     try:
         medians = _alternate({way: step_with(way) for way in ways}, steps)
     finally:
         attend("auto")
-    flops, peak = train_flops_per_token(learner.policy.lm) * data.num_tokens, \
+    flops, peak = train_flops_per_token(learner.policy.lm) * computed(last), \
         matmul_peak_flops(torch.bfloat16 if autocast else torch.float32)
     each = ", ".join(f"{way} {medians[way]:.2f} s/step (MFU {flops / medians[way] / peak:.1%})" for way in ways)
     print(f"{'bf16 autocast' if autocast else 'fp32':14s} {each} ({steps} steps each, alternated, {data.num_tokens} "
@@ -172,6 +185,24 @@ def freeze_embeddings(path, tokenizer, autocast: bool, steps: int, algo: str, lo
     return medians["trained"] / medians["frozen"]
 
 
+def share_prefix(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
+    """Whole rows' median s/step over a shared prefix's (train.share_prefix), their steps alternating on one learner
+    and batch."""
+    learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
+
+    def step_with(share):
+        def step(n):
+            learner.policy.share_prefix = share
+            learner.step(data, n)
+        return step
+
+    medians = _alternate({"shared": step_with(True), "whole": step_with(False)}, steps)
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} prompts' common prefix shared {medians['shared']:.2f} "
+          f"s/step, in every row {medians['whole']:.2f} s/step ({steps} steps each, alternated, "
+          f"{data.num_groups} groups, {data.num_tokens} tokens in rows of {data.segments.shape[1]})")
+    return medians["whole"] / medians["shared"]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
@@ -189,7 +220,12 @@ def main():
                         help="both: steps alternating between keeping the head's logits and recomputing them")
     parser.add_argument("--freeze-embeddings", default="as-default", choices=["as-default", "both"],
                         help="both: two learners' steps alternating, embeddings frozen and trained")
+    parser.add_argument("--share-prefix", default="as-default", choices=["as-default", "both"],
+                        help="both: steps alternating, the prompts' common prefix computed once and in every row")
+    parser.add_argument("--groups", type=int, default=8, help="groups (prompts) in the batch")
     args = parser.parse_args()
+    global GROUPS
+    GROUPS = args.groups
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -202,7 +238,8 @@ def main():
     mfu = seconds_by = None
     dtypes = bench_dtypes(args.dtypes)
     for flag, compare, figure in (("head_logits", head_logits, "keep_vs_recompute"),
-                                  ("freeze_embeddings", freeze_embeddings, "frozen_vs_trained")):
+                                  ("freeze_embeddings", freeze_embeddings, "frozen_vs_trained"),
+                                  ("share_prefix", share_prefix, "shared_vs_whole")):
         if getattr(args, flag) == "both":
             ratios = [compare(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)
                       for name in dtypes]
@@ -224,12 +261,13 @@ def main():
              + [(True, torch.bfloat16, True)] * args.compile)
     for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
-        seconds, tokens, flops_per_token, config = measure(path, tokenizer, autocast, args.steps, args.algo, compiled,
-                                                  args.completion_len)
+        seconds, (trained, tokens), flops_per_token, config = measure(path, tokenizer, autocast, args.steps, args.algo,
+                                                                     compiled, args.completion_len)
         ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = flops_per_token * tokens / seconds
         name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
-        print(f"{name:22s} {tokens} tokens/step  {seconds:.2f} s/step  {tokens / seconds:.0f} tokens/s  "
+        print(f"{name:22s} {trained} tokens/step ({tokens} computed)  {seconds:.2f} s/step  "
+              f"{trained / seconds:.0f} tokens/s  "
               f"{achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  MFU {achieved / peak:.1%}  "
               f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} GFLOP/s "
               f"= {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")

@@ -7,7 +7,7 @@ import trainer.attention as attention
 from buffer.ring import Group
 from tests.tiny_models import tiny_model
 from trainer.attention import Spans
-from trainer.batch import pack
+from trainer.batch import PAD, SharedPrefix, hoist_prefix, pack
 from trainer.policy import TokenLogprobs
 
 
@@ -167,3 +167,90 @@ def test_per_segment_attention_under_activation_checkpointing_gives_the_dense_gr
     torch.testing.assert_close(spans[batch.mask.bool()], dense[batch.mask.bool()], atol=2e-5, rtol=1e-5)
     for name, grad in dense_grads.items():
         assert (span_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
+def _sharing(groups: list[Group], prefix: int, seed: int = 3) -> list[Group]:
+    """The groups with the first `prefix` tokens of their prompts made the same (a system prompt)."""
+    common = torch.randint(3, 512, (prefix,), generator=torch.Generator().manual_seed(seed))
+    for group in groups:
+        group.prompt_ids[:prefix] = common
+    return groups
+
+
+def test_the_prompts_common_prefix_is_kept_once_in_the_shortest_row():
+    batch = pack(_sharing(_groups([[4, 1, 6], [2, 2, 3], [5, 5, 5]], prompts=[9, 7, 8]), 5))
+    used = (batch.segments != PAD).sum(1)
+    assert used.tolist() == [20, 14, 23] and batch.segments.shape[1] == 23
+    ids, positions, segments, gather, shared = hoist_prefix(batch.input_ids, batch.position_ids, batch.segments,
+                                                            batch.gather)
+    assert shared == SharedPrefix(length=5, row=1)  # the shortest row keeps it
+    assert segments.shape == ids.shape == positions.shape == (3, 18)  # the longest row less the prefix
+    for row, shift in enumerate((5, 0, 5)):
+        n = int(used[row]) - shift
+        assert ids[row, :n].tolist() == batch.input_ids[row, shift:shift + n].tolist()
+        assert positions[row, :n].tolist() == batch.position_ids[row, shift:shift + n].tolist()  # unchanged
+        assert segments[row, :n].tolist() == batch.segments[row, shift:shift + n].tolist()
+        assert (segments[row, n:] == PAD).all() and (ids[row, n:] == 0).all()
+    real = batch.mask.view(3, -1).bool()  # every position the head reads is the token it read before, at its place
+    for new, old in ((ids, batch.input_ids), (positions, batch.position_ids)):
+        assert torch.equal(new.gather(1, gather)[real], old.gather(1, batch.gather)[real])
+
+
+def test_rows_are_left_as_they_are_where_hoisting_would_not_shorten_them():
+    def hoisted(groups):
+        batch = pack(groups)
+        return hoist_prefix(batch.input_ids, batch.position_ids, batch.segments, batch.gather)
+
+    assert hoisted(_sharing(_groups([[4, 1], [2, 2]], prompts=[9, 7]), 0)) is None  # no common prefix
+    assert hoisted(_sharing(_groups([[4, 1]], prompts=[9]), 5)) is None  # one row
+    assert hoisted(_sharing(_groups([[4, 1], [1, 4]], prompts=[9, 9]), 5)) is None  # rows of one length
+    same = _groups([[4, 1], [2, 2]], prompts=[6, 6])
+    same[1].prompt_ids = same[0].prompt_ids.clone()
+    # the whole prompt in common: each row keeps its last prompt token, whose output predicts its first completion token
+    assert hoisted(same)[4] == SharedPrefix(length=5, row=1)
+
+
+def _embedded_shapes(policy) -> list:
+    shapes = []
+    policy.lm.get_input_embeddings().register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape))
+    return shapes
+
+
+WAYS = {"sdpa": dict(MIN_ROW=10**9, MATMUL_ROW=0),
+        "matmuls": dict(MIN_ROW=10**9, MATMUL_ROW=10**9, MATMUL_DTYPES=(torch.float32,)),
+        "segments": dict(MIN_ROW=1)}
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma", "gpt2"])
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_rows_that_each_hold_it(kind, way, monkeypatch):
+    for name, value in WAYS[way].items():
+        monkeypatch.setattr(attention, name, value)
+    policy = TokenLogprobs(tiny_model(kind))
+    shapes = _embedded_shapes(policy)
+    batch = pack(_sharing(_groups([[40, 1, 17, 33], [5, 60, 2, 9], [21, 21, 21, 21]], prompts=[23, 7, 9], seed=1), 6))
+    policy.share_prefix = False
+    whole, whole_grads = _logprobs_and_grads(policy, batch)
+    policy.share_prefix = True
+    shared, shared_grads = _logprobs_and_grads(policy, batch)
+    assert shapes == [(3, 114), (3, 108)]  # the prefix dropped from the rows that do not keep it
+    real = batch.mask.bool()
+    torch.testing.assert_close(shared[real], whole[real], atol=2e-5, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        assert (shared_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name
+
+
+def test_a_shared_prefix_under_activation_checkpointing_gives_the_same_gradients(monkeypatch):
+    from trainer.policy import checkpoint_layers
+
+    monkeypatch.setattr(attention, "MIN_ROW", 1)
+    policy = TokenLogprobs(tiny_model("qwen3"))
+    checkpoint_layers(policy)
+    batch = pack(_sharing(_groups([[30, 12, 25], [9, 31, 4]], prompts=[11, 5], seed=2), 4))
+    policy.share_prefix = False
+    whole, whole_grads = _logprobs_and_grads(policy, batch)
+    policy.share_prefix = True
+    shared, shared_grads = _logprobs_and_grads(policy, batch)
+    torch.testing.assert_close(shared[batch.mask.bool()], whole[batch.mask.bool()], atol=2e-5, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        assert (shared_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6, name

@@ -47,11 +47,24 @@ def test_packed_logprobs_and_grads_equal_separate_sequences(tiny_model_dir):
     check_packed_equals_separate(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
 
 
-def check_packed_equals_separate(model) -> dict:
+def test_rows_that_share_a_prompt_prefix_equal_separate_sequences(tiny_model_dir):
+    """The prompts' common prefix kept once in the batch (trainer/batch.py hoist_prefix) against the textbook way."""
+    groups = _groups()
+    for g in groups[1:]:
+        g.prompt_ids[:4] = groups[0].prompt_ids[:4]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    seen = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    check_packed_equals_separate(model, groups)
+    # rows of 18 and 20 tokens: the first keeps the prefix, the second drops it, so the pass is 18 tokens long
+    assert (pack(groups).segments != PAD).sum(1).tolist() == [18, 20] and seen[0] == 18
+
+
+def check_packed_equals_separate(model, groups: list | None = None) -> dict:
     """The packed forward's logprobs and gradients equal those of every completion run on its own; returns the
     packed pass's gradients."""
     policy = TokenLogprobs(model)
-    groups = _groups()
+    groups = groups or _groups()
     batch = pack(groups)
     packed = policy(batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
     (packed * batch.mask).sum().backward()
@@ -180,6 +193,19 @@ def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
     assert parse(compose(["train.adam_beta2=0.95"])).train.adam_beta2 == 0.95
     with pytest.raises(ValueError, match=r"config key 'train.adam_beta2' must be in \(0, 1\) \(got 1.0\)"):
         parse(compose(["train.adam_beta2=1.0"]))
+
+
+def test_train_share_prefix_reaches_the_policy_and_the_reference(tiny_model_dir):
+    import algos
+    from launch.schema import RolloutConfig, TrainConfig
+    from trainer.learner import Learner
+
+    for share in (True, False):
+        learner = Learner(model_path=tiny_model_dir, algo=algos.get("tb").Config(),
+                          train=TrainConfig(batch_groups=2, autocast="none", share_prefix=share),
+                          rollout=RolloutConfig(group_size=3, max_new_tokens=6))
+        assert learner.reference is not None
+        assert learner.policy.share_prefix is share and learner.reference.share_prefix is share
 
 
 def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir):

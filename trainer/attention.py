@@ -19,10 +19,14 @@ with a mask at these sizes, its backward most (`layout` and `MATMUL_DTYPES` deci
 """
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+if TYPE_CHECKING:
+    from trainer.batch import SharedPrefix
 
 NAME = "ringrl_segments"
 # Rows at least this long take one call per segment; shorter ones the dense mask, where one kernel call beats
@@ -109,6 +113,13 @@ def _masked_matmuls(query, key, value, attention_mask, scaling: float | None) ->
     return out.view(rows, heads, length, dim).to(query.dtype)
 
 
+def _with_prefix(states: torch.Tensor, shared: "SharedPrefix") -> torch.Tensor:
+    """Keys or values [R, H_kv, L, d] -> [R, H_kv, P + L, d]: the keeper row's P prefix positions, then each row's
+    own. The backward sums every row's gradient into the keeper's."""
+    prefix = states[shared.row:shared.row + 1, :, :shared.length]
+    return torch.cat([prefix.expand(states.shape[0], -1, -1, -1), states], 2)
+
+
 def segment_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,
                       dropout: float = 0.0, segment_spans: Spans | None = None, masked_matmuls: bool = False,
                       **kwargs):
@@ -116,8 +127,13 @@ def segment_attention(module: nn.Module, query, key, value, attention_mask, scal
     functions. With `masked_matmuls`, `_masked_matmuls` over `attention_mask`.
     Without either, or for a layer whose attention is more than a softmax over the allowed keys (a sliding window,
     logit soft-capping, sink logits), transformers' own SDPA with `attention_mask` (`masked_matmuls` applies no
-    dropout either)."""
+    dropout either). With `shared_prefix=` a SharedPrefix (trainer/batch.py hoist_prefix), every row's keys and values
+    start with the keeper row's prefix ones, and `attention_mask` is [R, 1, L, P + L] (trainer/policy.py)."""
     plain = any(kwargs.get(name) is not None for name in UNSUPPORTED)
+    shared_prefix: SharedPrefix | None = kwargs.pop("shared_prefix", None)
+    prefix = 0
+    if shared_prefix is not None:
+        key, value, prefix = _with_prefix(key, shared_prefix), _with_prefix(value, shared_prefix), shared_prefix.length
     if masked_matmuls and attention_mask is not None and not (plain or dropout):
         return _masked_matmuls(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if segment_spans is None or plain:
@@ -131,11 +147,19 @@ def segment_attention(module: nn.Module, query, key, value, attention_mask, scal
     rows = []
     for r, (prompt, spans, used) in enumerate(segment_spans.rows):
         q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
-        kp, vp = k[:, :, :prompt], v[:, :, :prompt]
-        pieces = [sdpa(q[:, :, :prompt], kp, vp, is_causal=True, dropout_p=dropout, scale=scaling)]
+        # the shared prefix's keys this row reads (the keeper has its own in its prompt), then its prompt's
+        first = prefix if shared_prefix is not None and r == shared_prefix.row else 0
+        seen = prefix - first
+        kp, vp = k[:, :, first:prefix + prompt], v[:, :, first:prefix + prompt]
+        if seen:
+            pieces = [sdpa(q[:, :, :prompt], kp, vp, attn_mask=segment_spans.mask(seen, prompt), dropout_p=dropout,
+                           scale=scaling)]
+        else:
+            pieces = [sdpa(q[:, :, :prompt], kp, vp, is_causal=True, dropout_p=dropout, scale=scaling)]
         for a, b in spans:
-            keys, values = torch.cat([kp, k[:, :, a:b]], 2), torch.cat([vp, v[:, :, a:b]], 2)
-            pieces.append(sdpa(q[:, :, a:b], keys, values, attn_mask=segment_spans.mask(prompt, b - a),
+            keys = torch.cat([kp, k[:, :, prefix + a:prefix + b]], 2)
+            values = torch.cat([vp, v[:, :, prefix + a:prefix + b]], 2)
+            pieces.append(sdpa(q[:, :, a:b], keys, values, attn_mask=segment_spans.mask(seen + prompt, b - a),
                                dropout_p=dropout, scale=scaling))
         if used < length:  # padding: never read by a real position
             pieces.append(q.new_zeros(1, heads, length - used, q.shape[3]))

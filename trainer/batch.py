@@ -123,6 +123,44 @@ def pack(groups: list) -> Batch:
                  rewards, torch.tensor([n for row in lens for n in row]), k)
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The first `length` tokens of every row's prompt are the same (a system prompt, an instruction, few-shot
+    examples): row `row` keeps them, the other rows start after them and attend to that row's keys instead."""
+    length: int
+    row: int
+
+
+def hoist_prefix(input_ids, position_ids, segments, gather):
+    """Packed rows [G, L] (and their `gather` [G, K*T]) with the prompts' common prefix kept once: in the shortest
+    row, the others shifted left past it (their positions unchanged). Returns (input_ids, position_ids, segments,
+    gather, SharedPrefix) for rows of L' < L tokens, or None where that would not shorten them (one row, no common
+    prefix, rows of one length). The prompts of the default task share 27 of their 45 tokens (SmolLM2's system prompt
+    and "What is "): bench.train_step's 4-group pass drops from 4 x 132 tokens to 4 x 105."""
+    rows, length = segments.shape
+    if rows < 2:
+        return None
+    prompt = segments == 0
+    same = (input_ids == input_ids[:1]) & prompt & prompt[:1]
+    common = int(same.all(0).int().cumprod(0).sum())
+    # every row keeps at least its prompt's last token: its output predicts the completions' first
+    common = min(common, int(prompt.sum(1).min()) - 1)
+    used = (segments != PAD).sum(1)
+    keeper = int(used.argmin())
+    shift = torch.full((rows,), max(common, 0), dtype=torch.long, device=segments.device)
+    shift[keeper] = 0
+    kept = used - shift
+    new_length = int(kept.max())
+    if common < 1 or new_length >= length:
+        return None
+    columns = torch.arange(new_length, device=segments.device)[None]
+    pad = columns >= kept[:, None]
+    take = (columns + shift[:, None]).clamp(max=length - 1)
+    return (input_ids.gather(1, take).masked_fill(pad, 0), position_ids.gather(1, take).masked_fill(pad, 0),
+            segments.gather(1, take).masked_fill(pad, PAD), (gather - shift[:, None]).clamp(min=0),
+            SharedPrefix(common, keeper))
+
+
 PASS_TOKENS = {"cpu": 4096, "cuda": 65536}  # train.micro_tokens=-1, by device type (launch/schema.py)
 
 

@@ -62,6 +62,9 @@ class Learner:
                                  compile=train.compile, adapters=adapters)
         if adapters is None and (train.freeze_layers or train.freeze_embeddings):  # LoRA's base is frozen already
             freeze(self.policy.lm, train.freeze_layers, train.freeze_embeddings)
+        for model in (self.policy, self.reference):
+            if model is not None:
+                model.share_prefix = train.share_prefix
         if self.loss_fn.needs_reference and adapters is not None:
             self.reference = BasePolicy(self.policy)
         elif self.reference is not None and train.autocast == "bfloat16" and self.device.type == "cpu":
@@ -128,7 +131,7 @@ class Learner:
                 for mb, passes, mb_prox, total in zip(minibatches, plans, prox, totals)]
         out = rows[0]
         if count > 1:  # means over the minibatches, but counts add up
-            summed = {"train/tokens", *getattr(self.loss_fn, "summed_metrics", ())}
+            summed = {"train/tokens", "train/shared_prefix_tokens", *getattr(self.loss_fn, "summed_metrics", ())}
             out = {k: sum(row[k] for row in rows) / (1 if k in summed else count) for k in rows[0]}
         out["train/skipped_steps"] = self.skipped
         out["train/tied_groups_skipped"] = tied
@@ -202,13 +205,14 @@ class Learner:
 
     def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
         world_size = self.rank.world_size
-        total_loss, sums, count, tokens = torch.zeros((), device=self.device), {}, 0, 0
+        total_loss, sums, count, tokens, shared = torch.zeros((), device=self.device), {}, 0, 0, 0
         for i, (start, stop) in enumerate(passes):
             mb = batch.groups(start, stop).to(self.device)
             self._before_pass(mb)
             with self._autocast():
                 out = self.policy(*self._inputs(mb, entropy=stats is not None))
                 logprobs, entropy = out if stats is not None else (out, None)
+                shared += self.policy.shared_tokens
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
@@ -233,12 +237,15 @@ class Learner:
         keys = sorted(sums)
         summed = set(getattr(self.loss_fn, "summed_metrics", ()))
         means = [sums[k] if k in summed else sums[k] / max(count, 1) / world_size for k in keys]
-        packed = torch.tensor([total_loss.item(), tokens] + means, dtype=torch.float64)
+        packed = torch.tensor([total_loss.item(), tokens, shared] + means, dtype=torch.float64)
         if world_size > 1:
             packed = packed.to(self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(packed)
             packed = packed.cpu()
-        return packed[0].float(), dict(zip(keys, packed[2:].tolist())), int(packed[1])
+        # train/shared_prefix_tokens: of train/tokens, those the passes left to one row's copy of the prompts' common
+        # prefix (train.share_prefix), which the learner's MFU does not count as computed
+        metrics = {**dict(zip(keys, packed[3:].tolist())), "train/shared_prefix_tokens": int(packed[2])}
+        return packed[0].float(), metrics, int(packed[1])
 
     def optimizer_state(self) -> dict:
         """The full AdamW state keyed by parameter name (a collective under FSDP2; complete on rank 0)."""

@@ -210,8 +210,8 @@ class _Loop:
         last_time, last_tokens = self.last_row
         train_time = perf["perf/train_step_s"]
         threads = perf["perf/train_threads"] if self.learner.device.type == "cpu" else 1
-        mfu = learner_mfu(self.flops_per_token, metrics["train/tokens"], train_time, self.peak, threads,
-                          self.learner.rank.world_size)
+        computed = metrics["train/tokens"] - metrics["train/shared_prefix_tokens"]
+        mfu = learner_mfu(self.flops_per_token, computed, train_time, self.peak, threads, self.learner.rank.world_size)
         self.log.log({
             "step": step, "time_s": round(now - self.start, 3),
             "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 
 from engines.buckets import engine_name
 from trainer.attention import layout, use_segment_attention
-from trainer.batch import PAD
+from trainer.batch import PAD, SharedPrefix, hoist_prefix
 from trainer.head import head_logprobs
 from trainer.lora import Adapters, merged
 
@@ -28,6 +28,10 @@ class TokenLogprobs(nn.Module):
         # Long rows skip the dense mask's masked-out pairs, and a bf16 step's short rows skip SDPA's CPU kernel
         # (trainer/attention.py), where the model allows it.
         self.segment_attention = use_segment_attention(lm)
+        # train.share_prefix: the prompts' common prefix computed once a pass, in one row (trainer/batch.py
+        # hoist_prefix), where the model takes segment_attention; the learner sets it from the config
+        self.share_prefix = True
+        self.shared_tokens = 0  # tokens the last forward left to the keeper row's prefix (the learner's MFU)
 
     def published_shapes(self) -> list[tuple[str, torch.Tensor]]:
         """(name, meta tensor) of every weight the trainer publishes, in the order it streams them (full_state):
@@ -36,8 +40,16 @@ class TokenLogprobs(nn.Module):
 
     def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
-        mask = _shared_prompt_mask(segments)
+        shared, self.shared_tokens = None, 0
+        if self.segment_attention and self.share_prefix:
+            hoisted = hoist_prefix(input_ids, position_ids, segments, gather)
+            if hoisted is not None:
+                input_ids, position_ids, segments, gather, shared = hoisted
+                self.shared_tokens = shared.length * (segments.shape[0] - 1)
+        mask = _shared_prompt_mask(segments, shared)
         attend = layout(segments) if self.segment_attention else {}
+        if shared is not None:
+            attend["shared_prefix"] = shared
         # use_cache=False: no KV cache to fill (and, under activation checkpointing, none that the recomputed
         # forward would append to a second time)
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
@@ -53,13 +65,18 @@ class TokenLogprobs(nn.Module):
         return (logprobs, ent.reshape(targets.shape)) if entropy else logprobs
 
 
-def _shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[G, L] segment ids -> [G, 1, L, L] bool: causal, within a completion or into the prompt."""
+def _shared_prompt_mask(segments: torch.Tensor, shared: SharedPrefix | None = None) -> torch.Tensor:
+    """[G, L] segment ids -> [G, 1, L, L] bool: causal, within a completion or into the prompt. With a shared
+    prefix of P tokens, [G, 1, L, P + L]: first the keeper row's P prefix keys, which every other row's tokens see."""
     q, k = segments[:, :, None], segments[:, None, :]
     length = segments.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
     allowed = causal & (k != PAD) & ((k == 0) | (k == q))
     allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)  # padding rows attend to themselves
+    if shared is not None:
+        reads = (segments != PAD)[:, :, None].expand(-1, -1, shared.length).clone()
+        reads[shared.row] = False  # the keeper attends to its own copy of the prefix
+        allowed = torch.cat([reads, allowed], 2)
     return allowed[:, None]
 
 
