@@ -35,6 +35,7 @@ import argparse
 import socket
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -129,19 +130,28 @@ def _alternate(ways: dict, steps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _alternate_settings(learner, data, settings: dict, steps: int) -> tuple[dict, dict]:
+    """`_alternate` over one learner and batch: each setting (name -> a function that puts it in place) before each
+    of its steps. Returns the medians and the last step's metrics."""
+    last = {}
+
+    def step_with(put):
+        def step(n):
+            put()
+            last.update(learner.step(data, n))
+        return step
+
+    return _alternate({name: step_with(put) for name, put in settings.items()}, steps), last
+
+
 def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
     """Recompute's median s/step over keep's, their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
     keep = _HeadLogprob.KEEP_LOGITS_BYTES
-
-    def step_with(bound):
-        def step(n):
-            _HeadLogprob.KEEP_LOGITS_BYTES = bound
-            learner.step(data, n)
-        return step
-
+    bound = partial(setattr, _HeadLogprob, "KEEP_LOGITS_BYTES")
     try:
-        medians = _alternate({"keep": step_with(keep), "recompute": step_with(0)}, steps)
+        medians, _ = _alternate_settings(learner, data, {"keep": partial(bound, keep), "recompute": partial(bound, 0)},
+                                         steps)
     finally:
         _HeadLogprob.KEEP_LOGITS_BYTES = keep
     print(f"{'bf16 autocast' if autocast else 'fp32':14s} head logits kept {medians['keep']:.2f} s/step, recomputed "
@@ -152,16 +162,8 @@ def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest:
 def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int, ways: list[str]) -> dict:
     """Each --attention way's median s/step, their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
-    last = {}
-
-    def step_with(way):
-        def step(n):
-            attend(way)
-            last.update(learner.step(data, n))
-        return step
-
     try:
-        medians = _alternate({way: step_with(way) for way in ways}, steps)
+        medians, last = _alternate_settings(learner, data, {way: partial(attend, way) for way in ways}, steps)
     finally:
         attend("auto")
     flops, peak = train_flops_per_token(learner.policy.lm) * computed(last), \
@@ -189,14 +191,9 @@ def share_prefix(path, tokenizer, autocast: bool, steps: int, algo: str, longest
     """Whole rows' median s/step over a shared prefix's (train.share_prefix), their steps alternating on one learner
     and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
-
-    def step_with(share):
-        def step(n):
-            learner.policy.share_prefix = share
-            learner.step(data, n)
-        return step
-
-    medians = _alternate({"shared": step_with(True), "whole": step_with(False)}, steps)
+    share = partial(setattr, learner.policy, "share_prefix")
+    medians, _ = _alternate_settings(learner, data, {"shared": partial(share, True), "whole": partial(share, False)},
+                                     steps)
     print(f"{'bf16 autocast' if autocast else 'fp32':14s} prompts' common prefix shared {medians['shared']:.2f} "
           f"s/step, in every row {medians['whole']:.2f} s/step ({steps} steps each, alternated, "
           f"{data.num_groups} groups, {data.num_tokens} tokens in rows of {data.segments.shape[1]})")

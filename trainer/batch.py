@@ -145,13 +145,15 @@ def hoist_prefix(input_ids, position_ids, segments, gather):
     common = int(same.all(0).int().cumprod(0).sum())
     # every row keeps at least its prompt's last token: its output predicts the completions' first
     common = min(common, int(prompt.sum(1).min()) - 1)
+    if common < 1:
+        return None
     used = (segments != PAD).sum(1)
     keeper = int(used.argmin())
-    shift = torch.full((rows,), max(common, 0), dtype=torch.long, device=segments.device)
+    shift = torch.full((rows,), common, dtype=torch.long, device=segments.device)
     shift[keeper] = 0
     kept = used - shift
     new_length = int(kept.max())
-    if common < 1 or new_length >= length:
+    if new_length >= length:
         return None
     columns = torch.arange(new_length, device=segments.device)[None]
     pad = columns >= kept[:, None]
