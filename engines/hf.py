@@ -111,9 +111,9 @@ class HFForward:
 
     def decode(self, cache: SlotCache, _, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                length: int) -> torch.Tensor:
-        """As `Llama.decode`: one token for each running slot -> float32 logits [n, V]."""
+        """As `Llama.decode`: one token for each running slot -> logits [n, V]."""
         visible = (torch.arange(length, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
         cache.decode_into(pos, slots, length)
         out = self.lm(input_ids=ids[:, None], attention_mask=_additive(visible, self.dtype),
                       position_ids=pos[:, None], past_key_values=cache, use_cache=True)
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]

@@ -204,7 +204,8 @@ class Llama:
         scale = self.head_dim ** -0.5
 
         def attend(q, keys, values):
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale).add_(bias)
+            # bias + scale x scores in one float32 pass: the bias is 0 or -inf, so the same bits as scaling, then adding
+            scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)
             return torch.matmul(scores.softmax(-1).to(values.dtype), values)
         return attend
 
@@ -268,7 +269,8 @@ class Llama:
 
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                length: int) -> torch.Tensor:
-        """One token for each running slot: ids, pos, slots [n] (slots ascending) -> float32 logits [n, V].
+        """One token for each running slot: ids, pos, slots [n] (slots ascending) -> logits [n, V] in the engine's
+        dtype (the sampler takes its one float32 copy).
 
         `length` bounds every slot's position, so attention reads only cache[..., :length, :].
         """
@@ -297,4 +299,4 @@ class Llama:
             attn = attend(q.unflatten(1, (self.n_kv_heads, -1)), keys, values)
             x = x + self._linear(attn.flatten(1), layer.o, layer.o_bias)
             x = x + self._mlp(layer, x)
-        return self._linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+        return self._linear(rms_norm(x, self.norm, self.eps), self.lm_head)

@@ -189,6 +189,24 @@ def test_sampler_follows_the_nucleus_distribution():
         torch.testing.assert_close(counts, weights[row] / weights[row].sum(), atol=0.004, rtol=0)
 
 
+def test_the_sampler_takes_bf16_logits_leaves_them_alone_and_draws_what_their_float32_copy_draws():
+    """A bf16 engine hands the sampler its head's own logits: the tokens and logprobs are those of their float32
+    copy, bit for bit, at T = 1, at T != 1 with top-p, and greedy; neither tensor is written to."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 4096, generator=g) * 4).bfloat16()
+    u = torch.rand(6, generator=g)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (0.0, 1.0)):
+        t, p = torch.full((6,), temperature), torch.full((6,), top_p)
+        as_bf16, as_fp32 = logits.clone(), logits.float()
+        kept = as_fp32.clone()
+        tokens, logprobs = sample(as_bf16, t, p, u)
+        expected_tokens, expected_logprobs = sample(as_fp32, t, p, u)
+        assert torch.equal(tokens, expected_tokens) and torch.equal(logprobs, expected_logprobs)
+        assert torch.equal(as_bf16, logits) and torch.equal(as_fp32, kept)
+        reference = torch.log_softmax(kept / (temperature or 1.0), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        torch.testing.assert_close(logprobs, reference)
+
+
 def test_qwen2_style_bias_and_untied_head_match_hf():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
