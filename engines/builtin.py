@@ -66,11 +66,13 @@ class BuiltinEngine:
     # Smaller caches (the default task's) are made at once and kept: zeroing them would cost more of a short step
     # than they free.
     IDLE_RELEASE_BYTES = 128 << 20
-    # On the CPU the fast path's cache starts this many positions wide (or max_len, if less) and doubles, up to
-    # max_len, as the longest sequence needs: decode attention reads the cache's whole width where that is the
-    # faster way (engines/llama.py `decode`), so the width follows what is in flight. The default task's cache
-    # is narrower than this from the start.
+    # On the CPU the fast path's cache starts this many positions wide (or max_len, if less) and widens in place,
+    # GROWTH positions at a time up to max_len, as the longest sequence needs: decode attention reads the cache's
+    # whole width where that is the faster way (engines/llama.py `decode`), so the width follows what is in flight.
+    # Its memory is reserved max_len wide and mapped by the OS as it is written. The default task's cache is
+    # narrower than FIRST_WIDTH from the start.
     FIRST_WIDTH = 64
+    GROWTH = 32
 
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False):
@@ -171,13 +173,15 @@ class BuiltinEngine:
             return finished
 
     def _new_cache(self):
-        return self.model.new_cache(self.max_batch, min(self.max_len, self.FIRST_WIDTH) if self.grows else self.max_len)
+        if not self.grows:
+            return self.model.new_cache(self.max_batch, self.max_len)
+        return self.model.new_cache(self.max_batch, min(self.max_len, self.FIRST_WIDTH), capacity=self.max_len)
 
     def _fit_cache(self, positions: int) -> None:
-        """Make the cache at least `positions` wide (doubling, up to max_len), keeping what it holds."""
+        """Make the cache at least `positions` wide (a multiple of GROWTH, up to max_len), keeping what it holds."""
         width = self.k_cache.shape[3] if self.grows else self.max_len
         if positions > width:
-            width = min(self.max_len, max(positions, 2 * width))
+            width = min(self.max_len, -(-positions // self.GROWTH) * self.GROWTH)
             self.k_cache, self.v_cache = self.model.grow_cache(self.k_cache, self.v_cache, width)
 
     def generate(self, requests: list[Request]) -> list[Completion]:

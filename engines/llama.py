@@ -81,6 +81,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def widen(cache: torch.Tensor, width: int) -> torch.Tensor:
+    """cache [..., W, d], contiguous from the start of its memory, made [..., width, d] (width > W) in that same
+    memory: every row of W positions moves to where a row of `width` starts, the last rows first, in runs whose new
+    place does not overlap their old one (a run [a, end) can move at once when a x width >= end x W); the few first
+    rows, whose places overlap, go through a copy. The new positions are zeroed."""
+    *lead, held, d = cache.shape
+    rows, old, new = math.prod(lead), held * d, width * d
+    flat = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(cache.untyped_storage())
+    end = rows
+    while end > 1:
+        start = -(-end * old // new)
+        if start < end:
+            flat.as_strided((end - start, old), (new, 1), start * new).copy_(flat[start * old:end * old].view(-1, old))
+        else:
+            start = end - 1
+            flat[start * new:start * new + old] = flat[start * old:start * old + old].clone()
+        end = start
+    grown = flat[:rows * new].view(*lead, width, d)
+    grown[..., held:, :].zero_()
+    return grown
+
+
 @dataclass
 class Layer:
     attn_norm: torch.Tensor
@@ -173,13 +195,21 @@ class Llama:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
-    def new_cache(self, max_batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def new_cache(self, max_batch: int, max_len: int, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value caches [layers, max_batch, kv heads, max_len, head_dim], each the start of memory
+        for `capacity` positions (at least max_len) that `grow_cache` widens them into. The memory past max_len is
+        not written, so the OS maps it only as the caches grow."""
         shape = self._cache_shape(max_batch, max_len)
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+        held = math.prod(self._cache_shape(max_batch, max(capacity, max_len)))
+        return tuple(torch.empty(held, dtype=self.dtype, device=self.device)[:math.prod(shape)].view(shape).zero_()
+                     for _ in range(2))
 
     def grow_cache(self, k_cache, v_cache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same caches `width` positions wide: what they hold is kept, the new positions are zeros."""
+        """The same caches `width` positions wide: what they hold is kept, the new positions are zeros. In place
+        where their memory has room (`new_cache`'s capacity): no fresh buffer to map and copy into at each growth,
+        so the width can follow the longest sequence closely."""
+        if k_cache.untyped_storage().nbytes() >= k_cache.numel() // k_cache.shape[3] * width * k_cache.element_size():
+            return widen(k_cache, width), widen(v_cache, width)
         k, v = self.new_cache(k_cache.shape[1], width)
         held = k_cache.shape[3]
         k[:, :, :, :held] = k_cache

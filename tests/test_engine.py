@@ -1,5 +1,7 @@
 """The built-in engine's promises: HF-exact logprobs, greedy = HF generate, continuous batching,
 in-flight weight updates with per-token versions, stop/length, reproducibility."""
+import math
+
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
@@ -261,14 +263,23 @@ def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, mon
 
 
 def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(model, monkeypatch):
-    """The fast path's CPU cache starts FIRST_WIDTH positions wide and doubles as the longest sequence needs, up to
-    max_len: the same tokens and logprobs as a cache made max_len wide at once, HF-exact in fp32."""
+    """The fast path's CPU cache starts FIRST_WIDTH positions wide and widens in place, GROWTH positions at a time,
+    as the longest sequence needs, up to max_len: the same tokens and logprobs as a cache made max_len wide at once,
+    HF-exact in fp32."""
+    from engines.llama import Llama
+
     requests = [Request(i, p, SamplingParams(max_new_tokens=n))
                 for i, (p, n) in enumerate(zip(random_prompts([6, 15, 9]), [90, 110, 20]))]
     grown = BuiltinEngine(model, max_batch=2, max_len=200)
     assert grown.k_cache.shape[3] == 64  # FIRST_WIDTH
+    memory = grown.k_cache.data_ptr(), grown.v_cache.data_ptr()
+    widths = []
+    grow = Llama.grow_cache
+    monkeypatch.setattr(Llama, "grow_cache", lambda self, k, v, width: widths.append(width) or grow(self, k, v, width))
     done = grown.generate(requests)
-    assert grown.k_cache.shape[3] == 128 and grown.v_cache.shape[3] == 128  # 15 + 110 - 1 positions, doubled once
+    assert widths == [96, 128]  # 15 + 110 - 1 positions, in steps of 32
+    assert grown.k_cache.shape[3] == 128 and grown.v_cache.shape[3] == 128
+    assert (grown.k_cache.data_ptr(), grown.v_cache.data_ptr()) == memory  # widened where they were
     for completion in done:
         assert_matches_teacher_forced(model, completion, 1.0)
     # A parked sequence's next turn that needs a wider cache: extended after the growth, not prefilled again.
@@ -278,12 +289,29 @@ def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(mod
     assert parked.k_cache.shape[3] == 64
     second = parked.generate([Request(1, prompt + first.token_ids + observation, SamplingParams(max_new_tokens=6),
                                       resume=0)])[0]
-    assert (parked.resumed, parked.resume_misses) == (1, 0) and parked.k_cache.shape[3] == 128
+    assert (parked.resumed, parked.resume_misses) == (1, 0) and parked.k_cache.shape[3] == 96
     assert_matches_teacher_forced(model, second, 1.0)
     monkeypatch.setattr(BuiltinEngine, "FIRST_WIDTH", 1 << 30)
     whole = BuiltinEngine(model, max_batch=2, max_len=200)
     assert whole.k_cache.shape[3] == 200
     assert [(c.token_ids, c.logprobs) for c in whole.generate(requests)] == [(c.token_ids, c.logprobs) for c in done]
+
+
+@pytest.mark.parametrize("lead, width, wider", [((30, 8, 3), 64, 96), ((50,), 10, 11), ((2, 3), 5, 40)])
+def test_a_cache_widened_in_place_keeps_every_row_and_zeroes_the_new_positions(lead, width, wider):
+    """engines/llama.py `widen`: rows move up in runs that never overlap what they leave (first case), or one at a
+    time through a copy where they do (the second case's first ten rows), within the memory the cache came in; that
+    memory's unwritten rest (NaN here) never shows."""
+    from engines.llama import widen
+
+    rows = math.prod(lead)
+    memory = torch.full((rows * wider * 4,), float("nan"))
+    cache = memory[:rows * width * 4].view(*lead, width, 4)
+    cache.copy_(torch.randn(*lead, width, 4))
+    held = cache.clone()
+    grown = widen(cache, wider)
+    assert grown.shape == (*lead, wider, 4) and grown.data_ptr() == memory.data_ptr()
+    assert torch.equal(grown[..., :width, :], held) and bool((grown[..., width:, :] == 0).all())
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused():
