@@ -1,7 +1,7 @@
 """The built-in CPU engine against Hugging Face `generate`: same model, prompts, budget and sampling.
 
     python -m bench.generate [--sequences 64] [--requests 256] [--new-tokens 16] [--ignore-eos] [--threads 2]
-                             [--dtypes auto|fp32|bf16|fp32,bf16]
+                             [--dtypes auto|fp32|bf16|fp32,bf16] [--repeats 3]
     python -m bench.generate --new-tokens 256 --ignore-eos      # the long-completion shape
     python -m bench.generate --fallback
 
@@ -14,9 +14,10 @@ a longer KV cache.
 Prints tokens/s of both in fp32 and bf16 and the engine against two limits measured in the same run: compute (the
 matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt: prefill is work too) and memory
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
-over the measured copy bandwidth, times the sequences a step decodes), the matmul peak read before and after the
-engine's run and the higher one kept; the engine's fraction of the lower limit is
-`engine_at=`. Ends with `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
+over the measured copy bandwidth, times the sequences a step decodes). The engine runs `--repeats` times (default
+3), each run held to the higher of the matmul peaks read just before and just after it; the engine's fraction of
+the lower limit, `engine_at=`, and its tokens/s are those of the median run (the spread beside them). Ends with
+`engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
 bf16, where `--dtypes` defaults to fp32 alone). Where the engine's
 matmuls read oneDNN-blocked weights (bf16 with AVX-512, fp32 with AVX2 only: engines/llama.py `blocks_weights`), it
 also runs on the plain weights, the same requests, and prints `blocked_vs_plain=<ratio>`.
@@ -87,6 +88,22 @@ def run_hf(model, tokenizer, prompts, new_tokens, eos, dtype, ignore_eos: bool =
     return sum(r.index(eos) + 1 if eos in r else len(r) for r in rows), elapsed
 
 
+def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float) -> list[tuple]:
+    """`--repeats` engine runs: (tok/s, fraction of the lower limit, compute limit, memory limit, peak, tokens) each.
+    A shared VM's matmul rate drifts by 1.5x within minutes: the peak is read on both sides of each run, and the
+    higher one is that run's limit (a lower one would flatter the engine)."""
+    peaks, runs = [matmul_peak_flops(dtype)], []
+    for _ in range(args.repeats):
+        tokens, seconds = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos, dtype,
+                                     slots=args.sequences)
+        peaks.append(matmul_peak_flops(dtype))
+        peak = max(peaks[-2:])
+        compute, memory = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
+                                 slots=args.sequences)
+        runs.append((tokens / seconds, tokens / seconds / min(compute, memory), compute, memory, peak, tokens))
+    return runs
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sequences", type=int, default=64, help="engine slots: sequences decoded together")
@@ -96,9 +113,12 @@ def main():
     parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --new-tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fallback", action="store_true", help="fast path vs fallback, fp32")
+    parser.add_argument("--repeats", type=int, default=3, help="engine runs per dtype; medians are reported")
     parser.add_argument("--dtypes", default="auto",
                         help="fp32, bf16 or both; auto: bf16 too where the CPU has it natively")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
     model, tokenizer = load()
     requests = args.requests or 4 * args.sequences
@@ -115,22 +135,18 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
-        before = matmul_peak_flops(dtype)
-        engine_tokens, engine_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos, dtype,
-                                             slots=args.sequences)
-        # A shared VM's matmul rate drifts by 1.5x within minutes: the peak is read on both sides of the engine's
-        # run, and the higher one is the limit (a lower one would flatter the engine).
-        peak = max(before, matmul_peak_flops(dtype))
+        runs = engine_runs(model, prompts, args, eos, dtype, params, bandwidth)
+        engine_tps, at, compute, memory, peak, engine_tokens = sorted(runs, key=lambda r: r[1])[(len(runs) - 1) // 2]
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
                                  args.ignore_eos)
-        engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
-        compute, memory = limits(model.config, params, prompts, args.new_tokens, engine_tokens, dtype, peak,
-                                 bandwidth, slots=args.sequences)
-        ratio, at = engine_tps / hf_tps, engine_tps / min(compute, memory)
+        hf_tps = hf_tokens / hf_s
+        ratio = engine_tps / hf_tps
+        spread = (f" (runs {min(r[0] for r in runs):.1f}-{max(r[0] for r in runs):.1f} tok/s, "
+                  f"{min(r[1] for r in runs):.0%}-{max(r[1] for r in runs):.0%})" if len(runs) > 1 else "")
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
-              f"tok/s -> engine_at={at:.0%} of the lower")
+              f"tok/s -> engine_at={at:.0%} of the lower, the median of {len(runs)} runs{spread}")
         if blocks_weights(torch.device("cpu"), dtype):
             plain_tokens, plain_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos,
                                                dtype, slots=args.sequences, plain=True)

@@ -106,3 +106,21 @@ def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restore
     assert (attention.MIN_ROW, attention.MATMUL_ROW, attention.MATMUL_DTYPES) == as_run
     line = capsys.readouterr().out
     assert line.startswith("fp32") and all(f"{way} {medians[way]:.2f} s/step (MFU " in line for way in medians)
+
+
+def test_each_engine_run_is_held_to_the_higher_peak_on_either_side_of_it(monkeypatch):
+    """bench.generate --repeats: run i's limit comes from max(peak before it, peak after it), never from a peak
+    read around another run."""
+    import bench.generate as generate
+
+    peaks, rates = iter([4e6, 2e6, 8e6, 1e6]), iter([100.0, 50.0, 300.0])
+    monkeypatch.setattr(generate, "matmul_peak_flops", lambda dtype: next(peaks))
+    monkeypatch.setattr(generate, "run_engine", lambda *a, **k: (40, 40 / next(rates)))
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=8, num_attention_heads=2)
+    args = SimpleNamespace(repeats=3, new_tokens=20, ignore_eos=True, sequences=2)
+    runs = generate.engine_runs(SimpleNamespace(config=config), [[1] * 10, [1] * 30], args, None, torch.bfloat16,
+                                params=1000, bandwidth=1e9)
+    assert [r[4] for r in runs] == [4e6, 8e6, 8e6]
+    for rate, at, compute, memory, peak, tokens in runs:
+        assert compute == pytest.approx(peak / 2000 * 40 / 80) and compute < memory  # compute is the lower here
+        assert at == pytest.approx(rate / compute) and tokens == 40
