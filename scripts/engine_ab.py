@@ -2,7 +2,9 @@
 prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, session 12), CPU decode attention as
 two matmuls (`Llama.split_attention`: fp32 in session 12, bf16 in session 18) and a CPU cache that grows with the
 longest sequence (`BuiltinEngine.FIRST_WIDTH`, session 18). Off: no copies, the fused kernel, the cache max_len
-wide from the start. `--only attention` or `--only growth` switches that one alone (the others stay on).
+wide from the start. `--only attention` or `--only growth` switches that one alone (the others stay on); `--only
+widen` compares the cache widened in place GROWTH positions at a time (session 25, on) with session 18's, which
+doubled into a fresh buffer (off, kept here as `doubling`).
 
     PYTHONPATH=. python scripts/engine_ab.py [--pairs 3] [--new-tokens 16] [--requests 256] [--dtype fp32]
     PYTHONPATH=. python scripts/engine_ab.py --pairs 2 --new-tokens 256 --requests 64 --ignore-eos
@@ -21,6 +23,15 @@ from engines.builtin import BuiltinEngine
 from engines.llama import Llama
 
 HELD, FIRST_WIDTH = BuiltinEngine._held_prefixes, BuiltinEngine.FIRST_WIDTH
+NEW_CACHE, FIT_CACHE = BuiltinEngine._new_cache, BuiltinEngine._fit_cache
+
+
+def doubling(engine: BuiltinEngine, positions: int) -> None:
+    """Session 18's growth: twice as wide (or `positions`), up to max_len, in a fresh buffer holding a copy."""
+    width = engine.k_cache.shape[3]
+    if positions > width:
+        width = min(engine.max_len, max(positions, 2 * width))
+        engine.k_cache, engine.v_cache = engine.model.grow_cache(engine.k_cache, engine.v_cache, width)
 
 
 def switch(on: bool, only: str) -> None:
@@ -28,6 +39,10 @@ def switch(on: bool, only: str) -> None:
         Llama.split_attention = on
     if only in ("all", "growth"):
         BuiltinEngine.FIRST_WIDTH = FIRST_WIDTH if on else 1 << 30  # off: the cache max_len wide at once
+    if only == "widen":  # off: a cache with no room to widen into, so grow_cache copies it into a fresh one
+        BuiltinEngine._fit_cache = FIT_CACHE if on else doubling
+        BuiltinEngine._new_cache = NEW_CACHE if on else lambda self: self.model.new_cache(
+            self.max_batch, min(self.max_len, self.FIRST_WIDTH))
     if only == "all":
         BuiltinEngine._held_prefixes = HELD if on else lambda self, lengths, pending: {}
 
@@ -48,7 +63,7 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--only", choices=["all", "attention", "growth"], default="all")
+    parser.add_argument("--only", choices=["all", "attention", "growth", "widen"], default="all")
     parser.add_argument("--threads", type=int, default=2, help="1: a default run's rollout worker")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
