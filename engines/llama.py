@@ -208,7 +208,9 @@ class Llama:
         """The same caches `width` positions wide: what they hold is kept, the new positions are zeros. In place
         where their memory has room (`new_cache`'s capacity): no fresh buffer to map and copy into at each growth,
         so the width can follow the longest sequence closely."""
-        if k_cache.untyped_storage().nbytes() >= k_cache.numel() // k_cache.shape[3] * width * k_cache.element_size():
+        room = k_cache.numel() // k_cache.shape[3] * width * k_cache.element_size()
+        if all(c.storage_offset() == 0 and c.is_contiguous() and c.untyped_storage().nbytes() >= room
+               for c in (k_cache, v_cache)):
             return widen(k_cache, width), widen(v_cache, width)
         k, v = self.new_cache(k_cache.shape[1], width)
         held = k_cache.shape[3]
