@@ -26,6 +26,7 @@ on the same model, and HF `generate`; ends with `fallback_vs_fast=<ratio>`.
 """
 import argparse
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -88,8 +89,17 @@ def run_hf(model, tokenizer, prompts, new_tokens, eos, dtype, ignore_eos: bool =
     return sum(r.index(eos) + 1 if eos in r else len(r) for r in rows), elapsed
 
 
-def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float) -> list[tuple]:
-    """`--repeats` engine runs: (tok/s, fraction of the lower limit, compute limit, memory limit, peak, tokens) each.
+class EngineRun(NamedTuple):
+    rate: float  # generated tokens/s
+    at: float  # rate over the lower of the two limits
+    compute: float  # limits, tokens/s
+    memory: float
+    peak: float  # the matmul peak the compute limit comes from, FLOP/s
+    tokens: int
+
+
+def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float) -> list[EngineRun]:
+    """`--repeats` engine runs, each against its own limits.
     A shared VM's matmul rate drifts by 1.5x within minutes: the peak is read on both sides of each run, and the
     higher one is that run's limit (a lower one would flatter the engine)."""
     peaks, runs = [matmul_peak_flops(dtype)], []
@@ -100,7 +110,7 @@ def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float)
         peak = max(peaks[-2:])
         compute, memory = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
                                  slots=args.sequences)
-        runs.append((tokens / seconds, tokens / seconds / min(compute, memory), compute, memory, peak, tokens))
+        runs.append(EngineRun(tokens / seconds, tokens / seconds / min(compute, memory), compute, memory, peak, tokens))
     return runs
 
 
@@ -136,13 +146,13 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
         runs = engine_runs(model, prompts, args, eos, dtype, params, bandwidth)
-        engine_tps, at, compute, memory, peak, engine_tokens = sorted(runs, key=lambda r: r[1])[(len(runs) - 1) // 2]
+        engine_tps, at, compute, memory, peak, engine_tokens = sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
                                  args.ignore_eos)
         hf_tps = hf_tokens / hf_s
         ratio = engine_tps / hf_tps
-        spread = (f" (runs {min(r[0] for r in runs):.1f}-{max(r[0] for r in runs):.1f} tok/s, "
-                  f"{min(r[1] for r in runs):.0%}-{max(r[1] for r in runs):.0%})" if len(runs) > 1 else "")
+        spread = (f" (runs {min(r.rate for r in runs):.1f}-{max(r.rate for r in runs):.1f} tok/s, "
+                  f"{min(r.at for r in runs):.0%}-{max(r.at for r in runs):.0%})" if len(runs) > 1 else "")
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "

@@ -120,7 +120,7 @@ def test_each_engine_run_is_held_to_the_higher_peak_on_either_side_of_it(monkeyp
     args = SimpleNamespace(repeats=3, new_tokens=20, ignore_eos=True, sequences=2)
     runs = generate.engine_runs(SimpleNamespace(config=config), [[1] * 10, [1] * 30], args, None, torch.bfloat16,
                                 params=1000, bandwidth=1e9)
-    assert [r[4] for r in runs] == [4e6, 8e6, 8e6]
+    assert [r.peak for r in runs] == [4e6, 8e6, 8e6]
     for rate, at, compute, memory, peak, tokens in runs:
         assert compute == pytest.approx(peak / 2000 * 40 / 80) and compute < memory  # compute is the lower here
         assert at == pytest.approx(rate / compute) and tokens == 40
