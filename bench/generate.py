@@ -12,11 +12,13 @@ continuous batching refills a finished slot at once and the batch stays full. As
 (default-task answers are about 14 tokens), or with `--ignore-eos` run to `--new-tokens`, so that every step reads
 a longer KV cache.
 Prints tokens/s of both in fp32 and bf16 and the engine against two limits measured in the same run: compute (the
-matmul peak over 2 x parameters FLOPs a token, generated or of a distinct prompt: prefill is work too) and memory
+matmul peak over the run's FLOPs: 2 x parameters a token, generated or of a distinct prompt, prefill being work too,
+and attention's two matmuls over each token's context, as PaLM's MFU counts them) and memory
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
 over the measured copy bandwidth, times the sequences a step decodes). The engine runs `--repeats` times (default
 3), each run held to the higher of the matmul peaks read just before and just after it; the engine's fraction of
-the lower limit, `engine_at=`, and its tokens/s are those of the median run (the spread beside them). Ends with
+the lower limit, `engine_at=`, and its tokens/s are those of the median run (the spread beside them); beside it the
+same run against a compute limit of the weights' FLOPs alone (the accounting before session 26). Ends with
 `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
 bf16, where `--dtypes` defaults to fp32 alone). Where the engine's
 matmuls read oneDNN-blocked weights (bf16 with AVX-512, fp32 with AVX2 only: engines/llama.py `blocks_weights`), it
@@ -37,18 +39,25 @@ from engines.llama import blocks_weights
 
 
 def limits(config, params: int, prompts, new_tokens: int, tokens: int, dtype, peak: float, bandwidth: float,
-           slots: int = 0):
-    """(compute limit, memory limit) in generated tokens/s. Compute: 2 x params FLOPs for every generated token
-    and every token of a distinct prompt (prefill). Memory: the run decodes `tokens` for `prompts` in steps of up
-    to `slots` sequences (default: all of them at once); each step reads the weights once and the cache of every
-    sequence in flight, at its mean length (prompt + half the new tokens generated)."""
-    prefill = sum(len(p) for p in {tuple(p) for p in prompts})
-    compute = peak / (2 * params) * tokens / (tokens + prefill)
-    size = torch.finfo(dtype).bits // 8
+           slots: int = 0, attention: bool = True):
+    """(compute limit, memory limit) in generated tokens/s. Compute: the run's FLOPs at the matmul peak: 2 x params
+    for every generated token and every token of a distinct prompt (prefill), and, with `attention`, attention's
+    two matmuls (scores and the weighted sum: 4 x layers x heads x head_dim FLOPs for each position a token attends
+    to, as PaLM's MFU counts them), a generated token attending to its context at the mean length below and a
+    prompt's tokens causally. Memory: the run decodes `tokens` for `prompts` in steps of up to `slots` sequences
+    (default: all of them at once); each step reads the weights once and the cache of every sequence in flight, at
+    its mean length (prompt + half the new tokens generated)."""
+    distinct = [len(p) for p in {tuple(p) for p in prompts}]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mean_len = sum(map(len, prompts)) / len(prompts) + tokens / len(prompts) / 2
+    flops = 2 * params * (tokens + sum(distinct))
+    if attention:
+        per_position = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim
+        flops += per_position * (tokens * mean_len + sum(n * (n + 1) / 2 for n in distinct))
+    compute = peak * tokens / flops
+    size = torch.finfo(dtype).bits // 8
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
     n = slots or len(prompts)
-    mean_len = sum(map(len, prompts)) / len(prompts) + tokens / len(prompts) / 2
     step_bytes = params * size + n * mean_len * kv_per_token
     memory = n * bandwidth / step_bytes
     return compute, memory
@@ -96,6 +105,7 @@ class EngineRun(NamedTuple):
     memory: float
     peak: float  # the matmul peak the compute limit comes from, FLOP/s
     tokens: int
+    at_weights: float  # `at` with a compute limit that leaves attention's matmuls out (sessions before 26)
 
 
 def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float) -> list[EngineRun]:
@@ -110,7 +120,11 @@ def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float)
         peak = max(peaks[-2:])
         compute, memory = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
                                  slots=args.sequences)
-        runs.append(EngineRun(tokens / seconds, tokens / seconds / min(compute, memory), compute, memory, peak, tokens))
+        weights, _ = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
+                            slots=args.sequences, attention=False)
+        rate = tokens / seconds
+        runs.append(EngineRun(rate, rate / min(compute, memory), compute, memory, peak, tokens,
+                              rate / min(weights, memory)))
     return runs
 
 
@@ -146,7 +160,8 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
         runs = engine_runs(model, prompts, args, eos, dtype, params, bandwidth)
-        engine_tps, at, compute, memory, peak, engine_tokens = sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
+        engine_tps, at, compute, memory, peak, engine_tokens, at_weights = \
+            sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
                                  args.ignore_eos)
         hf_tps = hf_tokens / hf_s
@@ -156,7 +171,8 @@ def main():
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
-              f"tok/s -> engine_at={at:.0%} of the lower, the median of {len(runs)} runs{spread}")
+              f"tok/s -> engine_at={at:.0%} of the lower, the median of {len(runs)} runs{spread}; "
+              f"{at_weights:.0%} against a compute limit of the weights' FLOPs alone")
         if blocks_weights(torch.device("cpu"), dtype):
             plain_tokens, plain_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos,
                                                dtype, slots=args.sequences, plain=True)

@@ -14,7 +14,12 @@ def test_the_memory_limit_counts_the_weights_once_and_every_sequence_s_cache():
     prompts = [[1] * 10, [1] * 30]  # mean prompt 20; 40 tokens generated, 20 each, 10 cached on average
     compute, memory = limits(config, params=1000, prompts=prompts, new_tokens=20, tokens=40, dtype=torch.bfloat16,
                              peak=4e6, bandwidth=1e6)
-    assert compute == pytest.approx(4e6 / 2000 * 40 / (40 + 40))  # 40 generated and 10 + 30 prefilled tokens
+    weights, _ = limits(config, 1000, prompts, 20, 40, torch.bfloat16, 4e6, 1e6, attention=False)
+    assert weights == pytest.approx(4e6 / 2000 * 40 / (40 + 40))  # 40 generated and 10 + 30 prefilled tokens
+    # Attention's two matmuls, 4 x 2 layers x 2 heads x head_dim 4 = 64 FLOPs a position attended: 40 generated
+    # tokens at the mean context of 30, and the prompts' tokens causally (1 + ... + 10 and 1 + ... + 30 positions).
+    flops = 2 * 1000 * (40 + 40) + 64 * (40 * 30 + 55 + 465)
+    assert compute == pytest.approx(4e6 * 40 / flops)
     kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V, layers, kv heads, head dim, bytes
     step_bytes = 1000 * 2 + 2 * 30 * kv_per_token
     assert memory == pytest.approx(2 * 1e6 / step_bytes)
@@ -29,7 +34,7 @@ def test_copy_bandwidth_is_a_plausible_rate():
 def test_slots_fewer_than_prompts_read_the_cache_of_the_slots_only():
     config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=8, num_attention_heads=2)
     prompts = [[1] * 10, [1] * 30] * 4  # 8 requests through 2 slots, 20 tokens each
-    compute, memory = limits(config, 1000, prompts, 20, 160, torch.bfloat16, 4e6, 1e6, slots=2)
+    compute, memory = limits(config, 1000, prompts, 20, 160, torch.bfloat16, 4e6, 1e6, slots=2, attention=False)
     assert compute == pytest.approx(4e6 / 2000 * 160 / (160 + 40))  # a repeated prompt is prefilled once
     kv_per_token = 2 * 2 * 1 * 4 * 2
     assert memory == pytest.approx(2 * 1e6 / (1000 * 2 + 2 * 30 * kv_per_token))  # as 2 prompts in 2 slots
@@ -121,6 +126,7 @@ def test_each_engine_run_is_held_to_the_higher_peak_on_either_side_of_it(monkeyp
     runs = generate.engine_runs(SimpleNamespace(config=config), [[1] * 10, [1] * 30], args, None, torch.bfloat16,
                                 params=1000, bandwidth=1e9)
     assert [r.peak for r in runs] == [4e6, 8e6, 8e6]
-    for rate, at, compute, memory, peak, tokens in runs:
-        assert compute == pytest.approx(peak / 2000 * 40 / 80) and compute < memory  # compute is the lower here
-        assert at == pytest.approx(rate / compute) and tokens == 40
+    for rate, at, compute, memory, peak, tokens, at_weights in runs:
+        assert compute == pytest.approx(peak * 40 / (2000 * 80 + 64 * (40 * 30 + 55 + 465))) and compute < memory
+        assert at == pytest.approx(rate / compute) and tokens == 40  # compute is the lower limit here
+        assert at_weights == pytest.approx(rate / (peak / 2000 * 40 / 80)) and at_weights < at
