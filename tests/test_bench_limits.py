@@ -130,3 +130,14 @@ def test_each_engine_run_is_held_to_the_higher_peak_on_either_side_of_it(monkeyp
         assert compute == pytest.approx(peak * 40 / (2000 * 80 + 64 * (40 * 30 + 55 + 465))) and compute < memory
         assert at == pytest.approx(rate / compute) and tokens == 40  # compute is the lower limit here
         assert at_weights == pytest.approx(rate / (peak / 2000 * 40 / 80)) and at_weights < at
+
+
+def test_the_decode_attention_bench_times_the_engine_s_split_path_and_holds_it_to_float64(capsys):
+    """bench/decode_attention.py: every way is timed, and the engine's two-matmul path (engines/llama.py) and the fused
+    kernel stay within bf16's rounding of a float64 attention over the visible positions only."""
+    from bench.decode_attention import main
+
+    us, errors = main(["--sequences", "4", "--width", "48", "--visible", "40", "--layers", "2", "--rounds", "2"])
+    assert set(us) == {"read", "matmuls", "fused"} and all(t > 0 for t in us.values())
+    assert set(errors) == {"matmuls", "fused"} and all(e < 0.02 for e in errors.values())
+    assert f"matmuls_vs_read={us['matmuls'] / us['read']:.2f}" in capsys.readouterr().out
