@@ -19,6 +19,7 @@ Prints each time a layer, the matmuls' and the probe's largest distance from a f
 import argparse
 import math
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -43,6 +44,7 @@ static inline float widen(uint16_t x) {  // bf16 bits -> float32
 
 // q [n, KV, G, D], keys/values [n, KV, W, D] (bf16, contiguous), visible [n] -> [n, KV, G, D] bf16
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor visible, double scale) {
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous bf16 tensors only");
   const int64_t n = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3), W = keys.size(2);
   auto out = torch::empty_like(q);
   auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -91,8 +93,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 def build_probe():
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline("ringrl_decode_attention_probe", cpp_sources=PROBE, functions=["attend"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+    try:
+        return load_inline("ringrl_decode_attention_probe", cpp_sources=PROBE, functions=["attend"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+    except Exception as error:  # no compiler, no ninja, a compile error: one line that names the fix
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        sys.exit(f"error: --native could not build the probe ({reason}); it needs a C++ compiler with OpenMP and "
+                 "ninja (pip install ninja); run without --native for the rest")
 
 
 def measure(args) -> tuple[dict[str, float], dict[str, float]]:
