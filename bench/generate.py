@@ -16,7 +16,8 @@ matmul peak over the run's FLOPs: 2 x parameters a token, generated or of a dist
 and attention's two matmuls over each token's context, as PaLM's MFU counts them) and memory
 (the bytes a decode step reads, every weight once and the KV cache of the sequences in flight at their mean length,
 over the measured copy bandwidth, times the sequences a step decodes). The engine runs `--repeats` times (default
-3), each run held to the higher of the matmul peaks read just before and just after it; the engine's fraction of
+3), each run held to the higher of the matmul peaks, and of the copy bandwidths, read just before and just after it
+(each run's bandwidth is printed); the engine's fraction of
 the lower limit, `engine_at=`, and its tokens/s are those of the median run (the spread beside them); beside it the
 same run against a compute limit of the weights' FLOPs alone (the accounting before session 26). Ends with
 `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
@@ -106,25 +107,28 @@ class EngineRun(NamedTuple):
     peak: float  # the matmul peak the compute limit comes from, FLOP/s
     tokens: int
     at_weights: float  # `at` with a compute limit that leaves attention's matmuls out (sessions before 26)
+    bandwidth: float  # the copy bandwidth the memory limit comes from, bytes/s
 
 
 def engine_runs(model, prompts, args, eos, dtype, params: int, bandwidth: float) -> list[EngineRun]:
     """`--repeats` engine runs, each against its own limits.
-    A shared VM's matmul rate drifts by 1.5x within minutes: the peak is read on both sides of each run, and the
-    higher one is that run's limit (a lower one would flatter the engine)."""
-    peaks, runs = [matmul_peak_flops(dtype)], []
+    A shared VM's matmul rate drifts by 1.5x within minutes, and its memory bandwidth with the host's traffic: the
+    peak and the copy bandwidth are read on both sides of each run, and the higher ones are that run's limits (lower
+    ones would flatter the engine)."""
+    peaks, bandwidths, runs = [matmul_peak_flops(dtype)], [bandwidth], []
     for _ in range(args.repeats):
         tokens, seconds = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos, dtype,
                                      slots=args.sequences)
         peaks.append(matmul_peak_flops(dtype))
-        peak = max(peaks[-2:])
-        compute, memory = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
+        bandwidths.append(copy_bandwidth())
+        peak, held = max(peaks[-2:]), max(bandwidths[-2:])
+        compute, memory = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, held,
                                  slots=args.sequences)
-        weights, _ = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, bandwidth,
+        weights, _ = limits(model.config, params, prompts, args.new_tokens, tokens, dtype, peak, held,
                             slots=args.sequences, attention=False)
         rate = tokens / seconds
         runs.append(EngineRun(rate, rate / min(compute, memory), compute, memory, peak, tokens,
-                              rate / min(weights, memory)))
+                              rate / min(weights, memory), held))
     return runs
 
 
@@ -160,7 +164,7 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
         runs = engine_runs(model, prompts, args, eos, dtype, params, bandwidth)
-        engine_tps, at, compute, memory, peak, engine_tokens, at_weights = \
+        engine_tps, at, compute, memory, peak, engine_tokens, at_weights, _ = \
             sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
                                  args.ignore_eos)
@@ -168,6 +172,8 @@ def main():
         ratio = engine_tps / hf_tps
         spread = (f" (runs {min(r.rate for r in runs):.1f}-{max(r.rate for r in runs):.1f} tok/s, "
                   f"{min(r.at for r in runs):.0%}-{max(r.at for r in runs):.0%})" if len(runs) > 1 else "")
+        print(f"copy bandwidth around the {dtype} runs: " + ", ".join(f"{r.bandwidth / 1e9:.1f}" for r in runs)
+              + " GB/s (each run's, the higher of the readings before and after it)")
         print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
               f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "

@@ -114,19 +114,24 @@ def test_the_attention_comparison_alternates_the_ways_on_one_learner_and_restore
 
 
 def test_each_engine_run_is_held_to_the_higher_peak_on_either_side_of_it(monkeypatch):
-    """bench.generate --repeats: run i's limit comes from max(peak before it, peak after it), never from a peak
-    read around another run."""
+    """bench.generate --repeats: run i's limits come from max(peak before it, peak after it) and the same of the copy
+    bandwidth, never from a reading around another run."""
     import bench.generate as generate
 
     peaks, rates = iter([4e6, 2e6, 8e6, 1e6]), iter([100.0, 50.0, 300.0])
     monkeypatch.setattr(generate, "matmul_peak_flops", lambda dtype: next(peaks))
     monkeypatch.setattr(generate, "run_engine", lambda *a, **k: (40, 40 / next(rates)))
+    bandwidths = iter([2e9, 0.5e9, 3e9])  # read after each run; the bench read 1e9 before the first
+    monkeypatch.setattr(generate, "copy_bandwidth", lambda: next(bandwidths))
     config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=8, num_attention_heads=2)
     args = SimpleNamespace(repeats=3, new_tokens=20, ignore_eos=True, sequences=2)
     runs = generate.engine_runs(SimpleNamespace(config=config), [[1] * 10, [1] * 30], args, None, torch.bfloat16,
                                 params=1000, bandwidth=1e9)
     assert [r.peak for r in runs] == [4e6, 8e6, 8e6]
-    for rate, at, compute, memory, peak, tokens, at_weights in runs:
+    assert [r.bandwidth for r in runs] == [2e9, 2e9, 3e9]
+    for rate, at, compute, memory, peak, tokens, at_weights, bandwidth in runs:
+        assert memory == pytest.approx(generate.limits(config, 1000, [[1] * 10, [1] * 30], 20, 40, torch.bfloat16,
+                                                       peak, bandwidth, slots=2)[1])
         assert compute == pytest.approx(peak * 40 / (2000 * 80 + 64 * (40 * 30 + 55 + 465))) and compute < memory
         assert at == pytest.approx(rate / compute) and tokens == 40  # compute is the lower limit here
         assert at_weights == pytest.approx(rate / (peak / 2000 * 40 / 80)) and at_weights < at
