@@ -8,7 +8,7 @@ and values come from memory, not from the CPU's caches): `--sequences` sequences
 heads, 3 query heads each, head_dim 64; `--kv-heads`, `--group`, `--head-dim`), the cache `--width` positions wide,
 up to `--visible` of them attended (sequences end 0-20 positions apart). It times, in alternating rounds, the medians:
 - `read`: summing the keys and the values, the least time their bytes allow at this thread count;
-- `matmuls`: the engine's CPU path (engines/llama.py `Llama._attend_split`: two batched matmuls, a float32 softmax);
+- `matmuls`: the engine's CPU path (engines/llama.py `two_matmul_attention`: two batched matmuls, a float32 softmax);
 - `fused`: `F.scaled_dot_product_attention` with the mask, the engine's path where the split does not pay;
 - with `--native`, a probe: a C++ loop (below) that reads each (sequence, kv head) block once, only its visible
   positions, with float32 scores, softmax and sums. The engine does not use it; it measures what a kernel of that
@@ -21,12 +21,11 @@ import math
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from engines.llama import Llama
+from engines.llama import two_matmul_attention
 
 PROBE = r"""
 #include <torch/extension.h>
@@ -111,7 +110,7 @@ def measure(args) -> tuple[dict[str, float], dict[str, float]]:
     q = torch.randn(n, kv, g, d).bfloat16()
     visible_len = args.visible - torch.randint(0, 21, (n,))
     visible = (torch.arange(width)[None, :] < visible_len[:, None])[:, None, None, :]
-    split = Llama._attend_split(SimpleNamespace(head_dim=d), visible)
+    split = two_matmul_attention(visible, d)
     ways = {"read": lambda i: (keys[i].sum(), values[i].sum()),
             "matmuls": lambda i: split(q, keys[i], values[i]),
             "fused": lambda i: F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=visible)}

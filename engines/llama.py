@@ -103,6 +103,23 @@ def widen(cache: torch.Tensor, width: int) -> torch.Tensor:
     return grown
 
 
+def two_matmul_attention(visible: torch.Tensor, head_dim: int):
+    """Decode attention as two batched matmuls and a float32 softmax, the mask made additive once for all layers.
+    On the CPU the fused kernel pays per-call overhead for a decode's few query rows: at 64 sequences the split
+    is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x faster
+    where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first; `decode` picks
+    the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax; the
+    engine-trainer mismatch did not move (docs/benchmarks.md, session 18)."""
+    bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
+    scale = head_dim ** -0.5
+
+    def attend(q, keys, values):
+        # bias + scale x scores in one float32 pass: the bias is 0 or -inf, so the same bits as scaling, then adding
+        scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)
+        return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+    return attend
+
+
 @dataclass
 class Layer:
     attn_norm: torch.Tensor
@@ -226,20 +243,7 @@ class Llama:
         return len(self.layers), max_batch, self.n_kv_heads, max_len, self.head_dim
 
     def _attend_split(self, visible: torch.Tensor):
-        """Decode attention as two batched matmuls and a float32 softmax, the mask made additive once for all layers.
-        On the CPU the fused kernel pays per-call overhead for a decode's few query rows: at 64 sequences the split
-        is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x faster
-        where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first; `decode` picks
-        the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax; the
-        engine-trainer mismatch did not move (docs/benchmarks.md, session 18)."""
-        bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
-        scale = self.head_dim ** -0.5
-
-        def attend(q, keys, values):
-            # bias + scale x scores in one float32 pass: the bias is 0 or -inf, so the same bits as scaling, then adding
-            scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)
-            return torch.matmul(scores.softmax(-1).to(values.dtype), values)
-        return attend
+        return two_matmul_attention(visible, self.head_dim)
 
     def copy_prefix(self, k_cache, v_cache, source: int, target: int, length: int) -> None:
         """Slot `target` gets the keys and values of positions :length that slot `source` holds: its prompt's."""
