@@ -164,25 +164,25 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for dtype in [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in bench_dtypes(args.dtypes)]:
         runs = engine_runs(model, prompts, args, eos, dtype, params, bandwidth)
-        engine_tps, at, compute, memory, peak, engine_tokens, at_weights, _ = \
-            sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
+        median = sorted(runs, key=lambda r: r.at)[(len(runs) - 1) // 2]
+        at = median.at
         hf_tokens, hf_s = run_hf(model, tokenizer, prompts[:args.sequences], args.new_tokens, eos, dtype,
                                  args.ignore_eos)
         hf_tps = hf_tokens / hf_s
-        ratio = engine_tps / hf_tps
+        ratio = median.rate / hf_tps
         spread = (f" (runs {min(r.rate for r in runs):.1f}-{max(r.rate for r in runs):.1f} tok/s, "
                   f"{min(r.at for r in runs):.0%}-{max(r.at for r in runs):.0%})" if len(runs) > 1 else "")
         print(f"copy bandwidth around the {dtype} runs: " + ", ".join(f"{r.bandwidth / 1e9:.1f}" for r in runs)
               + " GB/s (each run's, the higher of the readings before and after it)")
-        print(f"{str(dtype):15s} engine {engine_tps:7.1f} tok/s ({engine_tokens} tokens)  "
+        print(f"{str(dtype):15s} engine {median.rate:7.1f} tok/s ({median.tokens} tokens)  "
               f"hf {hf_tps:7.1f} tok/s ({hf_tokens} tokens)  ratio {ratio:.2f}  "
-              f"limits: compute {compute:.0f} tok/s (matmul peak {peak / 1e9:.0f} GFLOP/s), memory {memory:.0f} "
-              f"tok/s -> engine_at={at:.0%} of the lower, the median of {len(runs)} runs{spread}; "
-              f"{at_weights:.0%} against a compute limit of the weights' FLOPs alone")
+              f"limits: compute {median.compute:.0f} tok/s (matmul peak {median.peak / 1e9:.0f} GFLOP/s), "
+              f"memory {median.memory:.0f} tok/s -> engine_at={at:.0%} of the lower, the median of {len(runs)} "
+              f"runs{spread}; {median.at_weights:.0%} against a compute limit of the weights' FLOPs alone")
         if blocks_weights(torch.device("cpu"), dtype):
             plain_tokens, plain_s = run_engine(model, prompts, args.new_tokens, None if args.ignore_eos else eos,
                                                dtype, slots=args.sequences, plain=True)
-            blocked_vs_plain = engine_tps / (plain_tokens / plain_s)
+            blocked_vs_plain = median.rate / (plain_tokens / plain_s)
             print(f"{str(dtype):15s} engine on the plain weights (F.linear) {plain_tokens / plain_s:7.1f} tok/s "
                   f"({plain_tokens} tokens) -> blocked_vs_plain={blocked_vs_plain:.2f}")
     print(f"engine_vs_hf={ratio:.2f}")
