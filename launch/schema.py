@@ -206,6 +206,9 @@ class TrainConfig:
     # version advances, once per batch (so max_staleness still counts batches). At 1, ppo's and grpo's ratio is
     # exactly 1 on fresh data and their clip never acts (no trust region); 1 is the fastest to reward here
     minibatches: int = 1
+    # passes over each batch (PPO's epochs, GRPO's mu): E x M optimizer steps a batch, every one's ratio against the
+    # weights before the first (pi_prox), so the clip bites from the second on; still one publish and one version
+    epochs: int = 1
     micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
     # padded tokens per pass, at most: long completions go a few groups at a time. -1: 4096 on the CPU, 65536 on
     # a GPU (3x the learner's tokens/s of 4096 at Qwen2.5-0.5B and 2.3x at 1.5B on an H200, no more memory:
@@ -258,6 +261,7 @@ class TrainConfig:
         require(self.minibatches >= 1, "train.minibatches", "must be >= 1", self.minibatches)
         require(self.batch_groups % self.minibatches == 0, "train.minibatches",
                 f"must divide train.batch_groups={self.batch_groups}", self.minibatches)
+        require(self.epochs >= 1, "train.epochs", "must be >= 1", self.epochs)
         require(self.micro_groups >= 1, "train.micro_groups", "must be >= 1", self.micro_groups)
         require(self.micro_tokens >= -1, "train.micro_tokens", "must be >= 0 (or -1: by device)", self.micro_tokens)
         require(self.lr > 0, "train.lr", "must be > 0", self.lr)

@@ -1,4 +1,4 @@
-"""train.minibatches and the off-policy diagnostics: the Learner against loops written out here by hand."""
+"""train.minibatches, train.epochs and the off-policy diagnostics: the Learner against loops written out by hand."""
 import math
 
 import pytest
@@ -47,17 +47,18 @@ def _behaviour(model_dir, batch, noise=0.3, seed=1):
     return exact
 
 
-def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None):
-    train = TrainConfig(batch_groups=4, minibatches=minibatches, micro_tokens=0, lr=lr, grad_clip=1.0,
+def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None, epochs=1):
+    train = TrainConfig(batch_groups=4, minibatches=minibatches, epochs=epochs, micro_tokens=0, lr=lr, grad_clip=1.0,
                         autocast="none")
     return Learner(model_path=model_dir, train=train, algo=algo,
                    rollout=rollout or RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
 
 
-def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2):
-    """What train.minibatches = M means, written out: proximal logprobs of every minibatch at the starting
-    weights, then per minibatch a forward, the rule's loss normalised by that minibatch, clip, AdamW; the
-    embeddings (and the head tied to them) frozen, as train.freeze_embeddings' default."""
+def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2, epochs=1):
+    """What train.minibatches = M and train.epochs = E mean, written out: proximal logprobs of every minibatch at
+    the starting weights (with M = 1, the first forward's own), then E times over the minibatches a forward, the
+    rule's loss normalised by that minibatch, clip, AdamW; the embeddings (and the head tied to them) frozen, as
+    train.freeze_embeddings' default."""
     policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     policy.lm.get_input_embeddings().requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
@@ -65,28 +66,33 @@ def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2):
     loss_fn = algos.get(algo.name).Loss(algo)
     size = batch.num_groups // minibatches
     parts = [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
-    with torch.no_grad():
-        prox = [policy(*_inputs(p)) for p in parts]
-    for part, part_prox in zip(parts, prox):
-        logprobs = policy(*_inputs(part))
-        loss, _ = loss_fn(algos.MicroBatch(
-            logprobs=logprobs, behav_logprobs=part.behav_logprobs, mask=part.mask, rewards=part.rewards,
-            group_size=K, batch_sequences=part.targets.shape[0], batch_tokens=int(part.mask.sum()),
-            max_new_tokens=STEPS, step=0, prox_logprobs=part_prox if minibatches > 1 else logprobs.detach()))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    prox = [None]
+    if minibatches > 1:
+        with torch.no_grad():
+            prox = [policy(*_inputs(p)) for p in parts]
+    for _ in range(epochs):
+        for i, part in enumerate(parts):
+            logprobs = policy(*_inputs(part))
+            if prox[i] is None:
+                prox[i] = logprobs.detach()
+            loss, _ = loss_fn(algos.MicroBatch(
+                logprobs=logprobs, behav_logprobs=part.behav_logprobs, mask=part.mask, rewards=part.rewards,
+                group_size=K, batch_sequences=part.targets.shape[0], batch_tokens=int(part.mask.sum()),
+                max_new_tokens=STEPS, step=0, prox_logprobs=prox[i]))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     return {n: p.detach() for n, p in policy.named_parameters()}
 
 
-@pytest.mark.parametrize("minibatches", [1, 2, 4])
-def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches):
+@pytest.mark.parametrize("minibatches,epochs", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 3)])
+def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches, epochs):
     batch = pack(_groups(4))
     _behaviour(tiny_model_dir, batch)
     algo = algos.get("ppo").Config()
-    want = _hand_loop(tiny_model_dir, batch, algo, minibatches)
-    learner = _learner(tiny_model_dir, algo, minibatches)
+    want = _hand_loop(tiny_model_dir, batch, algo, minibatches, epochs=epochs)
+    learner = _learner(tiny_model_dir, algo, minibatches, epochs=epochs)
     metrics = learner.step(batch, 1)
     got = dict(learner.policy.named_parameters())
     for name, value in want.items():
@@ -95,7 +101,9 @@ def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches
             assert torch.equal(got[name], value), name
         else:
             assert torch.allclose(got[name], value, atol=1e-6, rtol=1e-5), name
-    assert metrics["train/tokens"] == batch.num_tokens
+    start = dict(TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir)).named_parameters())
+    assert sum(not torch.equal(got[name], start[name]) for name in want) > len(want) // 2  # the steps moved them
+    assert metrics["train/tokens"] == epochs * batch.num_tokens  # the tokens the learner computed
 
 
 def test_four_minibatches_separate_the_three_policies(tiny_model_dir):
@@ -132,11 +140,39 @@ def test_one_minibatch_has_no_clipping_and_no_extra_pass(tiny_model_dir):
     assert len(calls) == 1 and metrics["ppo/clip_frac"] == 0.0
 
 
+def test_a_second_epoch_clips_against_the_first_forward_and_adds_no_pass(tiny_model_dir):
+    """Decoupled PPO with M = 1, E = 2: the first epoch runs on the proximal weights (its forward is pi_prox, no
+    extra pass), the second on weights one update on, so its ratio leaves 1 and clips; metrics are the means."""
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    learner = _learner(tiny_model_dir, algos.get("ppo").Config(), minibatches=1, lr=0.05, epochs=2)
+    calls, seen, loss_fn = [], [], learner.loss_fn
+    learner.policy.register_forward_hook(lambda *args: calls.append(1))
+
+    def recording(mb):
+        seen.append((mb.logprobs.detach().clone(), mb.prox_logprobs.clone(), mb.mask))
+        loss, metrics = loss_fn(mb)
+        seen[-1] += (metrics["ppo/clip_frac"],)
+        return loss, metrics
+
+    learner.loss_fn = recording
+    learner.loss_fn.needs_proximal = True
+    metrics = learner.step(batch, 1)
+    assert len(calls) == 2 and len(seen) == 2
+    (first, prox1, mask, clip1), (second, prox2, _, clip2) = seen
+    assert torch.equal(prox1, prox2) and torch.equal(first * mask, prox1 * mask)
+    assert (second - prox2)[mask.bool()].abs().min() > 0
+    assert clip1 == 0.0 and clip2 > 0
+    assert metrics["ppo/clip_frac"] == pytest.approx((clip1 + clip2) / 2)
+
+
 def test_minibatches_must_divide_the_batch_and_the_ranks():
     from launch.schema import ClusterConfig, Config
 
     with pytest.raises(ValueError, match=r"config key 'train.minibatches' must divide train.batch_groups=8"):
         TrainConfig(batch_groups=8, minibatches=3).check()
+    with pytest.raises(ValueError, match=r"config key 'train.epochs' must be >= 1"):
+        TrainConfig(epochs=0).check()
     cfg = Config(train=TrainConfig(batch_groups=4, minibatches=4), cluster=ClusterConfig(trainer_ranks=2,
                                                                                         oversubscribe=True))
     with pytest.raises(ValueError, match=r"must be divisible by cluster.trainer_ranks=2 times train.minibatches=4"):

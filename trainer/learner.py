@@ -107,9 +107,9 @@ class Learner:
         return Adapters(lora, getattr(torch, base), os.path.join(init_path, ADAPTER_DIR) if init_path else "")
 
     def step(self, batch: Batch, step: int) -> dict:
-        """Train on `batch`, the data for policy version step - 1: `train.minibatches` optimizer steps, each a
-        forward/backward over this rank's share of its minibatch, a clip and an AdamW step (skipped if not
-        finite). The proximal policy is the weights before the first of them."""
+        """Train on `batch`, the data for policy version step - 1: `train.epochs` times over `train.minibatches`
+        minibatches, one optimizer step each, a forward/backward over this rank's share of it, a clip and an AdamW
+        step (skipped if not finite). The proximal policy is the weights before the first of them."""
         if self.device.type == "cpu":
             keep_freed_chunks(batch.input_ids.numel() < HEAP_RELEASE_TOKENS)
         count = self.train.minibatches
@@ -124,15 +124,22 @@ class Learner:
                            for mb, index in zip(minibatches, kept)]
         plans = [self._passes(mb) for mb in minibatches]
         stats = OffPolicyStats(version=step - 1)
-        # One minibatch: its forward runs on the weights before the update, so the proximal logprobs are that
-        # forward's own, detached. More: one no-grad pass over the batch first, before anything changes.
+        # One minibatch: its first forward runs on the weights before the update, so the proximal logprobs are that
+        # forward's own, detached (and kept for the later epochs). More: one no-grad pass over the batch first.
         prox = self._proximal(minibatches, plans, stats) if count > 1 else [None]
-        rows = [self._update(mb, passes, step, mb_prox, stats if count == 1 else None, total)
-                for mb, passes, mb_prox, total in zip(minibatches, plans, prox, totals)]
+        epochs, rows = self.train.epochs, []
+        for epoch in range(epochs):
+            for i, (mb, passes, total) in enumerate(zip(minibatches, plans, totals)):
+                first = stats if count == 1 and epoch == 0 else None
+                row, forwards = self._update(mb, passes, step, prox[i], first, total)
+                prox[i] = forwards if prox[i] is None else prox[i]
+                rows.append(row)
         out = rows[0]
-        if count > 1:  # means over the minibatches, but counts add up
-            summed = {"train/tokens", "train/shared_prefix_tokens", *getattr(self.loss_fn, "summed_metrics", ())}
-            out = {k: sum(row[k] for row in rows) / (1 if k in summed else count) for k in rows[0]}
+        if len(rows) > 1:  # means over the updates; the tokens computed add up, a rule's counts over one epoch
+            computed = {"train/tokens", "train/shared_prefix_tokens"}
+            counts = set(getattr(self.loss_fn, "summed_metrics", ()))
+            out = {k: sum(row[k] for row in rows) / (1 if k in computed else epochs if k in counts else len(rows))
+                   for k in rows[0]}
         out["train/skipped_steps"] = self.skipped
         out["train/tied_groups_skipped"] = tied
         if self.device.type == "cpu" and batch.input_ids.numel() >= HEAP_RELEASE_TOKENS:
@@ -140,10 +147,11 @@ class Learner:
             release_free_heap()
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
-    def _update(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]) -> dict:
+    def _update(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
         """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)
-        and the sequences and tokens of the whole minibatch, tied groups included (the loss's denominators)."""
-        loss, metrics, tokens = self._forward_backward(batch, passes, step, prox, stats, totals)
+        and the sequences and tokens of the whole minibatch, tied groups included (the loss's denominators).
+        Returns the step's metrics and the forward's logprobs per pass, detached (the weights before the step)."""
+        loss, metrics, tokens, forwards = self._forward_backward(batch, passes, step, prox, stats, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if bool(torch.isfinite(loss) and torch.isfinite(grad_norm)):
@@ -158,7 +166,7 @@ class Learner:
             raise RuntimeError(f"{self.bad_in_row} steps in a row had a non-finite loss or gradient; "
                                f"lower train.lr or check the rewards")
         return {"loss": loss.item(), "train/grad_norm": grad_norm.item(), "train/skipped_steps": self.skipped,
-                "train/tokens": tokens, "train/lr": self.learning_rate(step), **metrics}
+                "train/tokens": tokens, "train/lr": self.learning_rate(step), **metrics}, forwards
 
     def learning_rate(self, step: int) -> float:
         """train.lr, ramped linearly over the first train.warmup_steps steps, then down linearly to train.min_lr
@@ -206,6 +214,7 @@ class Learner:
     def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
         world_size = self.rank.world_size
         total_loss, sums, count, tokens, shared = torch.zeros((), device=self.device), {}, 0, 0, 0
+        forwards = []
         for i, (start, stop) in enumerate(passes):
             mb = batch.groups(start, stop).to(self.device)
             self._before_pass(mb)
@@ -217,11 +226,12 @@ class Learner:
                 if self.reference is not None:
                     with torch.no_grad():
                         ref = self.reference(*self._inputs(mb, entropy=False))
+            forwards.append(logprobs.detach())
             if stats is not None:
-                stats.add(logprobs.detach(), mb.behav_logprobs, mb.mask, mb.versions, entropy)
+                stats.add(forwards[-1], mb.behav_logprobs, mb.mask, mb.versions, entropy)
             mb_prox = None
             if self.loss_fn.needs_proximal:
-                mb_prox = logprobs.detach() if prox is None else prox[i]
+                mb_prox = forwards[-1] if prox is None else prox[i]
             loss, metrics = self.loss_fn(algos.MicroBatch(
                 logprobs=logprobs, behav_logprobs=mb.behav_logprobs, mask=mb.mask, rewards=mb.rewards,
                 group_size=mb.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
@@ -245,7 +255,7 @@ class Learner:
         # train/shared_prefix_tokens: of train/tokens, those the passes left to one row's copy of the prompts' common
         # prefix (train.share_prefix), which the learner's MFU does not count as computed
         metrics = {**dict(zip(keys, packed[3:].tolist())), "train/shared_prefix_tokens": int(packed[2])}
-        return packed[0].float(), metrics, int(packed[1])
+        return packed[0].float(), metrics, int(packed[1]), forwards
 
     def optimizer_state(self) -> dict:
         """The full AdamW state keyed by parameter name (a collective under FSDP2; complete on rank 0)."""
