@@ -32,7 +32,7 @@ class MicroBatch:
     batch_sequences: int  # sequences in the whole optimizer batch, across ranks
     batch_tokens: int  # valid completion tokens in the whole optimizer batch, across ranks
     max_new_tokens: int  # the sampling budget (Dr. GRPO's constant normaliser)
-    step: int  # batches trained on so far, i.e. the policy version (for schedules; train.minibatches splits one)
+    step: int  # batches trained on so far, i.e. the policy version (for schedules; not train.minibatches' or epochs')
     ref_logprobs: Optional[torch.Tensor] = None  # [n, T] frozen initial policy, if the loss needs it
     prox_logprobs: Optional[torch.Tensor] = None  # [n, T] weights before this batch's first update, if needed
 
