@@ -9,6 +9,7 @@ schema; `tests/test_config.py` refuses a preset that repeats a default.
 `parse` turns the composed config into the schema's dataclasses and checks every value; `check_overrides` runs
 before Hydra so that a mistyped command line gets one line (naming the key) instead of Hydra's multi-line report.
 """
+import difflib
 import os
 from typing import get_type_hints
 
@@ -82,7 +83,9 @@ def _one_line(e: OmegaConfBaseException, typed) -> str:
         node = OmegaConf.select(typed, parent) if parent else typed
         known = sorted(node.keys()) if OmegaConf.is_dict(node) else []
         group = f" for {parent}={typed[parent].name}" if parent in ("algo", "task") else ""
-        return f"unknown config key '{key}'{group} (known: {', '.join(known)})"
+        near = difflib.get_close_matches(key.rpartition(".")[2], known, n=1, cutoff=0.75)
+        guess = f", did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
+        return f"unknown config key '{key}'{group}{guess} (known: {', '.join(known)})"
     if isinstance(e, ValidationError) and e.object_type is not None and e.key in get_type_hints(e.object_type):
         kind = get_type_hints(e.object_type)[e.key]
         return f"config key '{key}' must be of type {getattr(kind, '__name__', kind)} (got {e.value!r})"

@@ -99,8 +99,12 @@ TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
     (["algo=grpo", "algo.clip_epz=0.2"], "unknown config key 'algo.clip_epz' for algo=grpo"),
     (["algo=nope"], "unknown algo 'nope'"),
     (["task=nope"], "unknown task 'nope'"),
-    (["train.lrr=1"], "unknown config key 'train.lrr' (known: adam_beta1, adam_beta2, adam_eps, autocast, "
-                      "batch_groups, compile,"),
+    (["train.lrr=1"], "unknown config key 'train.lrr', did you mean 'train.lr'? (known: adam_beta1, adam_beta2, "
+                      "adam_eps, autocast, batch_groups, compile,"),
+    (["stepz=3"], "unknown config key 'stepz', did you mean 'steps'? (known: algo,"),
+    (["task.max_operands=3"], "unknown config key 'task.max_operands' for task=arithmetic, did you mean "
+                              "'task.max_operand'?"),
+    (["train.zzz=1"], "unknown config key 'train.zzz' (known: adam_beta1,"),  # nothing near: no guess
     (["rollout.groupsize=4"], "unknown config key 'rollout.groupsize'"),
     (["model.pth=x"], "unknown config key 'model.pth'"),
     (["cluster.rollout_worker=2"], "unknown config key 'cluster.rollout_worker'"),
@@ -184,8 +188,8 @@ def test_a_saved_config_is_checked_like_a_composed_one():
     saved = OmegaConf.to_container(compose(["algo=ppo"]), resolve=True)
     assert parse(saved).algo == algos.get("ppo").Config()
     saved["train"]["lrr"] = 1.0
-    with pytest.raises(ValueError, match=r"^unknown config key 'train.lrr' \(known: adam_beta1, adam_beta2, adam_eps, "
-                                         r"autocast,"):
+    with pytest.raises(ValueError, match=r"^unknown config key 'train.lrr', did you mean 'train.lr'\? \(known: "
+                                         r"adam_beta1, adam_beta2, adam_eps, autocast,"):
         parse(saved)
     saved["train"].pop("lrr")
     saved["train"]["lr"] = -1.0
