@@ -147,7 +147,8 @@ class Learner:
             release_free_heap()
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
-    def _update(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
+    def _update(self, batch: Batch, passes, step: int, prox, stats,
+                totals: tuple[int, int]) -> tuple[dict, list[torch.Tensor]]:
         """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)
         and the sequences and tokens of the whole minibatch, tied groups included (the loss's denominators).
         Returns the step's metrics and the forward's logprobs per pass, detached (the weights before the step)."""
