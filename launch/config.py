@@ -79,11 +79,11 @@ def _one_line(e: OmegaConfBaseException, typed) -> str:
     """OmegaConf's multi-line error as ours: the key, what was wrong, and what is known there."""
     key = e.full_key or str(e.key)
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
-        parent, _, _ = key.rpartition(".")
+        parent, _, name = key.rpartition(".")
         node = OmegaConf.select(typed, parent) if parent else typed
         known = sorted(node.keys()) if OmegaConf.is_dict(node) else []
         group = f" for {parent}={typed[parent].name}" if parent in ("algo", "task") else ""
-        near = difflib.get_close_matches(key.rpartition(".")[2], known, n=1, cutoff=0.75)
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         guess = f", did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
         return f"unknown config key '{key}'{group}{guess} (known: {', '.join(known)})"
     if isinstance(e, ValidationError) and e.object_type is not None and e.key in get_type_hints(e.object_type):
