@@ -23,13 +23,16 @@ through the [L, L] shared-prompt mask in SDPA, `matmuls` every row, in any dtype
 matmuls and a softmax. Several, comma-separated (`both`: `segments,dense`): per dtype one learner whose steps
 alternate between them on one batch, each way's s/step and MFU; ends with `<way>_vs_<last way>=<the last way's
 median s/step over this one's>` for each other way (bf16's, else fp32's).
-`--head-logits both`: one learner, its steps alternating between keeping the output head's logits for the backward
-(trainer/policy.py, the default while they fit in KEEP_LOGITS_BYTES) and recomputing them there, on the same batch;
-ends with `keep_vs_recompute=<recompute's median s/step over keep's>` (a shared VM drifts less within a run than
-between runs). `--freeze-embeddings both`: two learners on the same batch, their steps alternating, with the input
-embeddings (and the head tied to them) frozen and trained; ends with `frozen_vs_trained=<trained's median s/step over
-frozen's>`. `--share-prefix both`: one learner, its steps alternating between the prompts' common prefix computed once
-a pass and in every row, on the same batch; ends with `shared_vs_whole=<every row's median s/step over shared's>`.
+`--head-logits both`: one learner (the head frozen, as by default), its steps alternating between three ways the
+output head's backward gets its softmax (trainer/head.py): `direction` (the default: the forward makes the rows'
+gradient direction from its softmax, the backward scales it), `keep` (the forward keeps the softmax while it fits in
+KEEP_LOGITS_BYTES, as a trained head's does) and `recompute` (the backward recomputes the logits), on the same batch;
+prints `keep_vs_recompute=` and ends with `direction_vs_recompute=<recompute's median s/step over direction's>` (a
+shared VM drifts less within a run than between runs). `--freeze-embeddings both`: two learners on the same batch,
+their steps alternating, with the input embeddings (and the head tied to them) frozen and trained; ends with
+`frozen_vs_trained=<trained's median s/step over frozen's>`. `--share-prefix both`: one learner, its steps
+alternating between the prompts' common prefix computed once a pass and in every row, on the same batch; ends with
+`shared_vs_whole=<every row's median s/step over shared's>`.
 """
 import argparse
 import socket
@@ -144,19 +147,25 @@ def _alternate_settings(learner, data, settings: dict, steps: int) -> tuple[dict
     return _alternate({name: step_with(put) for name, put in settings.items()}, steps), last
 
 
-def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
-    """Recompute's median s/step over keep's, their steps alternating on one learner and batch."""
+def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> dict:
+    """Each way's median s/step (direction, keep, recompute), their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
-    keep = _HeadLogprob.KEEP_LOGITS_BYTES
-    bound = partial(setattr, _HeadLogprob, "KEEP_LOGITS_BYTES")
+    keep, direction = _HeadLogprob.KEEP_LOGITS_BYTES, _HeadLogprob.FROZEN_DIRECTION
+
+    def way(frozen_direction: bool, keep_bytes: int):
+        def put():
+            _HeadLogprob.FROZEN_DIRECTION, _HeadLogprob.KEEP_LOGITS_BYTES = frozen_direction, keep_bytes
+        return put
+
     try:
-        medians, _ = _alternate_settings(learner, data, {"keep": partial(bound, keep), "recompute": partial(bound, 0)},
-                                         steps)
+        medians, _ = _alternate_settings(learner, data, {"direction": way(True, keep), "keep": way(False, keep),
+                                                         "recompute": way(False, 0)}, steps)
     finally:
-        _HeadLogprob.KEEP_LOGITS_BYTES = keep
-    print(f"{'bf16 autocast' if autocast else 'fp32':14s} head logits kept {medians['keep']:.2f} s/step, recomputed "
-          f"{medians['recompute']:.2f} s/step ({steps} steps each, alternated, {data.num_tokens} tokens)")
-    return medians["recompute"] / medians["keep"]
+        _HeadLogprob.KEEP_LOGITS_BYTES, _HeadLogprob.FROZEN_DIRECTION = keep, direction
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} head's softmax for the backward: " + ", ".join(
+        f"{name} {s:.2f}" for name, s in medians.items()) + f" s/step ({steps} steps each, alternated, "
+        f"{data.num_tokens} tokens)")
+    return medians
 
 
 def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int, ways: list[str]) -> dict:
@@ -214,7 +223,7 @@ def main():
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     parser.add_argument("--head-logits", default="keep", choices=["keep", "both"],
-                        help="both: steps alternating between keeping the head's logits and recomputing them")
+                        help="both: steps alternating between the head's three ways to its backward's softmax")
     parser.add_argument("--freeze-embeddings", default="as-default", choices=["as-default", "both"],
                         help="both: two learners' steps alternating, embeddings frozen and trained")
     parser.add_argument("--share-prefix", default="as-default", choices=["as-default", "both"],
@@ -234,8 +243,14 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mfu = seconds_by = None
     dtypes = bench_dtypes(args.dtypes)
-    for flag, compare, figure in (("head_logits", head_logits, "keep_vs_recompute"),
-                                  ("freeze_embeddings", freeze_embeddings, "frozen_vs_trained"),
+    if args.head_logits == "both":
+        medians = [head_logits(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)
+                   for name in dtypes][-1]
+        dist.destroy_process_group()
+        for way in ("keep", "direction"):
+            print(f"{way}_vs_recompute={medians['recompute'] / medians[way]:.2f}")
+        return
+    for flag, compare, figure in (("freeze_embeddings", freeze_embeddings, "frozen_vs_trained"),
                                   ("share_prefix", share_prefix, "shared_vs_whole")):
         if getattr(args, flag) == "both":
             ratios = [compare(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len)

@@ -52,8 +52,9 @@ def test_the_benches_run_bf16_only_where_the_cpu_has_it_unless_asked(monkeypatch
         bench_dtypes("fp16")
 
 
-def test_the_head_logits_comparison_alternates_both_ways_and_leaves_the_default(tiny_model_dir, monkeypatch):
-    """bench/train_step.py --head-logits both: steps alternate between kept and recomputed logits on one learner."""
+def test_the_head_logits_comparison_alternates_three_ways_and_leaves_the_default(tiny_model_dir, monkeypatch):
+    """bench/train_step.py --head-logits both: steps alternate between the frozen head's forward-made direction,
+    kept and recomputed logits on one learner; the defaults are back in place after."""
     from transformers import AutoTokenizer
 
     import bench.train_step as train_step
@@ -61,13 +62,15 @@ def test_the_head_logits_comparison_alternates_both_ways_and_leaves_the_default(
 
     seen = []
     step = train_step.Learner.step
-    monkeypatch.setattr(train_step.Learner, "step",
-                        lambda self, *a: seen.append(_HeadLogprob.KEEP_LOGITS_BYTES) or step(self, *a))
+    monkeypatch.setattr(train_step.Learner, "step", lambda self, *a: seen.append(
+        (_HeadLogprob.FROZEN_DIRECTION, _HeadLogprob.KEEP_LOGITS_BYTES)) or step(self, *a))
     keep = _HeadLogprob.KEEP_LOGITS_BYTES
-    ratio = train_step.head_logits(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo", 8)
-    assert ratio > 0
-    assert seen == [keep, 0, keep, 0, 0, keep]  # a warm-up each, then keep, recompute, recompute, keep
-    assert _HeadLogprob.KEEP_LOGITS_BYTES == keep
+    medians = train_step.head_logits(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), False, 2, "grpo",
+                                     8)
+    assert set(medians) == {"direction", "keep", "recompute"} and min(medians.values()) > 0
+    d, k, r = (True, keep), (False, keep), (False, 0)
+    assert seen == [d, k, r, d, k, r, r, k, d]  # a warm-up each, then in order, then in reverse
+    assert (_HeadLogprob.FROZEN_DIRECTION, _HeadLogprob.KEEP_LOGITS_BYTES) == (True, keep)
 
 
 def test_the_frozen_embeddings_comparison_alternates_two_learners(tiny_model_dir, monkeypatch):

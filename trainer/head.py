@@ -35,10 +35,13 @@ def _frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _HeadLogprob(torch.autograd.Function):
     """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N] float32.
 
-    Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). The forward keeps the chunks' float32 softmax for
-    the backward while all of them fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one
-    lm_head matmul fewer, `python -m bench.train_step --head-logits both`); past that the backward recomputes each
-    chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd would write the logits, a
+    Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). A frozen head (no gradient for W or b: the tied
+    embeddings under train.freeze_embeddings, the default) has the forward make the rows' gradient direction
+    (softmax - onehot) @ W [N, d] from each chunk's softmax, and the backward scale it: two lm_head matmuls in all and
+    nothing [N, V] held. A trained head's forward keeps the chunks' float32 softmax for the backward while all of them
+    fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one lm_head matmul fewer, `python -m
+    bench.train_step --head-logits both`); past that the backward recomputes each chunk's logits (one more lm_head
+    matmul) instead of holding them. Plain autograd would write the logits, a
     float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those passes cost more
     than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one micro-batch of long
     completions. The backward holds the logits' gradient [N, V] in the compute dtype only while it is at most
@@ -47,39 +50,60 @@ class _HeadLogprob(torch.autograd.Function):
     """
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
     WHOLE_GRAD_BYTES = KEEP_LOGITS_BYTES = 256 << 20
+    FROZEN_DIRECTION = True  # False: a frozen head's backward as a trained one's (bench.train_step --head-logits)
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled):
         device = hidden.device
         chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
+        needs_h, needs_w, needs_b = ctx.needs_input_grad[:3] if grad_enabled else (False, False, False)
         with torch.autocast(device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             out = torch.empty(len(h), device=device)
             ent = torch.empty(len(h) if entropy else 0, device=device)
-            # the backward's, when there is one and they are small: it then needs no second lm_head matmul
-            keep = grad_enabled and any(ctx.needs_input_grad[:3]) and \
+            # a frozen head (the tied embeddings under train.freeze_embeddings, LoRA): the rows' gradient is made
+            # here, from the softmax at hand, and the backward only scales it: one lm_head matmul and one [rows, V]
+            # pass fewer than recomputing the logits there, and nothing [rows, V] held between the two
+            direction = torch.empty(len(h), w.shape[1], dtype=dtype, device=device) \
+                if needs_h and not needs_w and not needs_b and _HeadLogprob.FROZEN_DIRECTION else None
+            # a trained head's backward, when the softmax is small: it then needs no second lm_head matmul
+            keep = direction is None and (needs_h or needs_w or needs_b) and \
                 len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
             kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
             chunks = _chunks(len(h), w.shape[0], chunk)
             scratch = _Scratch(chunks[0].stop, w.shape[0], dtype, device)
+            minus_one = torch.full((chunks[0].stop, 1), -1.0, device=device) if direction is not None else None
             for rows in chunks:
                 log_probs = _log_probs(h[rows], w, b, temperature, scratch)
+                n = len(log_probs)
                 out[rows] = log_probs.gather(-1, targets[rows, None]).squeeze(-1)
-                if kept is not None or entropy:  # the backward's softmax, made once here
-                    probs = torch.exp(log_probs, out=scratch.logits[:len(log_probs)] if kept is None else kept[rows])
+                if kept is not None or entropy or direction is not None:  # the softmax, made once here
+                    probs = torch.exp(log_probs, out=scratch.logits[:n] if kept is None else kept[rows])
                     if entropy:  # H = -sum_v p_v log p_v, one dot product a row
                         ent[rows] = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)
-        ctx.save_for_backward(h, weight, bias, targets)
+                    if direction is not None:  # (softmax - onehot(target)) @ W: -temperature x d logprob / d h
+                        residual = probs.scatter_add_(-1, targets[rows, None], minus_one[:n])
+                        if residual.dtype != dtype:  # scratch.matmul is free once the logits were copied out
+                            residual = scratch.matmul[:n].copy_(residual)
+                        torch.mm(residual, w, out=direction[rows])
+        if direction is not None:
+            ctx.save_for_backward(direction)
+        else:
+            ctx.save_for_backward(h, weight, bias, targets)
         ctx.temperature, ctx.hidden_dtype, ctx.chunk, ctx.kept = temperature, hidden.dtype, chunk, kept
+        ctx.frozen = direction is not None
         ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad, _entropy_grad):
-        h, weight, bias, targets = ctx.saved_tensors
         temp = ctx.temperature
         scale = grad / temp
+        if ctx.frozen:  # the forward's (softmax - onehot) @ W, scaled: float32 where scale is
+            direction, = ctx.saved_tensors
+            return (direction * -scale[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None
+        h, weight, bias, targets = ctx.saved_tensors
 
         kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
 
