@@ -4,6 +4,7 @@ This file is the only place a default is stated: constructors elsewhere take val
 refuses an out-of-range value in one line naming the key (registry.require); `Config.check` adds the checks
 that span sections. How Hydra composes and parses these: launch/config.py.
 """
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -225,6 +226,10 @@ class TrainConfig:
     adam_beta2: float = 0.999  # AdamW's second-moment decay (RL recipes often take 0.99 for noisier gradients)
     adam_eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient norm
+    # each minibatch's loss gets - coef x the policy's token-mean entropy on its completion tokens (verl's
+    # entropy_coeff): > 0 an entropy bonus, < 0 entropy minimisation, which the default task's preset sets
+    # (conf/task/arithmetic.yaml: 6 steps to 0.8 against 8, docs/benchmarks.md, "Faster to a reward", session 29)
+    entropy_coef: float = 0.0
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
     # auto | bfloat16 | none: mixed precision of the forward/backward on the CPU (weights stay fp32). auto: as
     # rollout.dtype's auto
@@ -240,8 +245,9 @@ class TrainConfig:
     # gradient and AdamW update cost a default step 0.8x as long; no more steps to 0.8 (docs/benchmarks.md)
     freeze_embeddings: bool = True
     # leave out of the forward and backward the groups whose K rewards all tie, under a rule that gives them zero
-    # advantage (ppo, grpo, gspo, cispo, rloo: algos/__init__.py): the same update for less work; the per-token
-    # diagnostics (entropy, mismatch/*) are then over the groups trained on
+    # advantage (ppo, grpo, gspo, cispo, rloo: algos/__init__.py): the same update for less work (but for
+    # train.entropy_coef's term, which they then leave out too); the per-token diagnostics (entropy, mismatch/*) are
+    # then over the groups trained on
     skip_tied_groups: bool = True
     # compute the prompts' common prefix (a system prompt, an instruction, few-shot examples) once a pass, in one
     # row whose keys the others read (trainer/batch.py hoist_prefix): the same logprobs up to rounding, fewer tokens
@@ -273,6 +279,7 @@ class TrainConfig:
         require(0 < self.adam_beta2 < 1, "train.adam_beta2", "must be in (0, 1)", self.adam_beta2)
         require(self.adam_eps > 0, "train.adam_eps", "must be > 0", self.adam_eps)
         require(self.grad_clip > 0, "train.grad_clip", "must be > 0", self.grad_clip)
+        require(math.isfinite(self.entropy_coef), "train.entropy_coef", "must be a finite number", self.entropy_coef)
         require(self.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", self.max_bad_steps)
         require(self.autocast in ("auto", "bfloat16", "none"), "train.autocast", "must be auto, bfloat16 or none",
                 self.autocast)

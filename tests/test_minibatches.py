@@ -47,18 +47,18 @@ def _behaviour(model_dir, batch, noise=0.3, seed=1):
     return exact
 
 
-def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None, epochs=1):
+def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None, epochs=1, entropy_coef=0.0):
     train = TrainConfig(batch_groups=4, minibatches=minibatches, epochs=epochs, micro_tokens=0, lr=lr, grad_clip=1.0,
-                        autocast="none")
+                        autocast="none", entropy_coef=entropy_coef)
     return Learner(model_path=model_dir, train=train, algo=algo,
                    rollout=rollout or RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
 
 
-def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2, epochs=1):
+def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2, epochs=1, entropy_coef=0.0):
     """What train.minibatches = M and train.epochs = E mean, written out: proximal logprobs of every minibatch at
     the starting weights (with M = 1, the first forward's own), then E times over the minibatches a forward, the
-    rule's loss normalised by that minibatch, clip, AdamW; the embeddings (and the head tied to them) frozen, as
-    train.freeze_embeddings' default."""
+    rule's loss normalised by that minibatch (and train.entropy_coef's - coef x its token-mean entropy), clip,
+    AdamW; the embeddings (and the head tied to them) frozen, as train.freeze_embeddings' default."""
     policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     policy.lm.get_input_embeddings().requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
@@ -72,13 +72,16 @@ def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2, epochs=1):
             prox = [policy(*_inputs(p)) for p in parts]
     for _ in range(epochs):
         for i, part in enumerate(parts):
-            logprobs = policy(*_inputs(part))
+            out = policy(*_inputs(part), bool(entropy_coef), bool(entropy_coef))
+            logprobs, entropy = out if entropy_coef else (out, None)
             if prox[i] is None:
                 prox[i] = logprobs.detach()
             loss, _ = loss_fn(algos.MicroBatch(
                 logprobs=logprobs, behav_logprobs=part.behav_logprobs, mask=part.mask, rewards=part.rewards,
                 group_size=K, batch_sequences=part.targets.shape[0], batch_tokens=int(part.mask.sum()),
                 max_new_tokens=STEPS, step=0, prox_logprobs=prox[i]))
+            if entropy_coef:
+                loss = loss - entropy_coef * (entropy * part.mask).sum() / part.mask.sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             optimizer.step()
@@ -104,6 +107,29 @@ def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches
     start = dict(TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir)).named_parameters())
     assert sum(not torch.equal(got[name], start[name]) for name in want) > len(want) // 2  # the steps moved them
     assert metrics["train/tokens"] == epochs * batch.num_tokens  # the tokens the learner computed
+
+
+@pytest.mark.parametrize("minibatches,coef", [(1, -0.5), (2, 0.3)])
+def test_an_entropy_term_matches_the_hand_written_loop(tiny_model_dir, minibatches, coef):
+    """train.entropy_coef: each minibatch's loss gets - coef x its token-mean entropy, with the gradient; the steps
+    are the hand loop's with that term, not those without it, and `loss/entropy` is the term (at M = 1, the entropy
+    of the weights before the step)."""
+    batch = pack(_groups(4))
+    _behaviour(tiny_model_dir, batch)
+    algo = algos.get("ppo").Config()
+    want = _hand_loop(tiny_model_dir, batch, algo, minibatches, entropy_coef=coef)
+    without = _hand_loop(tiny_model_dir, batch, algo, minibatches)
+    learner = _learner(tiny_model_dir, algo, minibatches, entropy_coef=coef)
+    metrics = learner.step(batch, 1)
+    got = dict(learner.policy.named_parameters())
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, atol=1e-6, rtol=1e-5), name
+    assert sum(not torch.allclose(want[name], without[name], atol=1e-4) for name in want) > len(want) // 2
+    if minibatches == 1:
+        with torch.no_grad():
+            _, entropy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir))(*_inputs(batch), True)
+        term = -coef * float((entropy * batch.mask).sum() / batch.mask.sum())
+        assert metrics["loss/entropy"] == pytest.approx(term, rel=1e-5) and abs(term) > 0.1
 
 
 def test_four_minibatches_separate_the_three_policies(tiny_model_dir):

@@ -541,6 +541,41 @@ def test_a_frozen_head_s_forward_made_gradient_is_as_close_to_float64_as_the_bac
         assert 0 < made <= 1.1 * backward < 0.1, errors
 
 
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("keep,whole", [(1 << 30, 1 << 30), (0, 0)])
+def test_the_head_s_entropy_gradient_is_plain_autograd_s(monkeypatch, trained, keep, whole):
+    """entropy_grad (train.entropy_coef): the entropy gets a gradient, for a frozen head made in the forward, for a
+    trained one in the backward (kept logits or recomputed, whole or chunk by chunk), and it is plain autograd's
+    over the [N, V] logits, the weight's and bias's too; without entropy_grad the entropy has none."""
+    from trainer.head import _HeadLogprob, head_logprobs
+
+    head, hidden, targets, weights = _head_case(bias=trained)
+    head.requires_grad_(trained)
+    monkeypatch.setattr(_HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows
+    monkeypatch.setattr(_HeadLogprob, "KEEP_LOGITS_BYTES", keep)
+    monkeypatch.setattr(_HeadLogprob, "WHOLE_GRAD_BYTES", whole)
+    entropy_weights = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    h = hidden.clone().requires_grad_()
+    out, ent = head_logprobs(h, head, targets, 0.7, entropy=True, entropy_grad=True)
+    ((out * weights).sum() + (ent * entropy_weights).sum()).backward()
+
+    h_ref = hidden.clone().requires_grad_()
+    w_ref = head.weight.detach().clone().requires_grad_(trained)
+    b_ref = None if head.bias is None else head.bias.detach().clone().requires_grad_(trained)
+    log_p = torch.log_softmax(torch.nn.functional.linear(h_ref, w_ref, b_ref) / 0.7, -1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    ((log_p.gather(-1, targets[:, None]).squeeze(-1) * weights).sum() + (entropy * entropy_weights).sum()).backward()
+
+    torch.testing.assert_close(ent, entropy.detach())
+    assert h_ref.grad.abs().sum() > 0
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-5, rtol=1e-4)
+    if trained:
+        torch.testing.assert_close(head.weight.grad, w_ref.grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(head.bias.grad, b_ref.grad, atol=1e-5, rtol=1e-4)
+    _, ent = head_logprobs(hidden.clone().requires_grad_(), head, targets, 0.7, entropy=True)
+    assert not ent.requires_grad
+
+
 def test_a_frozen_head_is_cast_once_while_its_values_last():
     """Under autocast a frozen head (the tied embeddings) is cast to bf16 once, not in every forward and backward;
     again after its values change in place or its storage is replaced; a trained head is left to the head's own

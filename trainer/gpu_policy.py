@@ -119,16 +119,18 @@ class GPUTokenLogprobs(TokenLogprobs):
         super().__init__(lm)
         self.varlen = getattr(lm.config, "_attn_implementation", None) in VARLEN_KERNELS if varlen is None else varlen
 
-    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False,
+                entropy_grad: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         if not self.varlen:
-            return super().forward(input_ids, position_ids, segments, gather, targets, temperature, entropy)
+            return super().forward(input_ids, position_ids, segments, gather, targets, temperature, entropy,
+                                   entropy_grad)
         order, picks = varlen_layout(segments, gather, targets.shape[0] // segments.shape[0])
         order, picks = order.to(input_ids.device), picks.to(input_ids.device)
         ids = input_ids.reshape(-1)[order][None]  # [1, N]
         positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
         hidden = self.lm.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
-        return self.head(hidden[picks].flatten(0, 1), targets, temperature, entropy)
+        return self.head(hidden[picks].flatten(0, 1), targets, temperature, entropy, entropy_grad)
 
 
 def varlen_layout(segments: torch.Tensor, gather: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

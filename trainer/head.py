@@ -6,14 +6,16 @@ import torch
 from torch import nn
 
 
-def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy: bool = False):
+def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy: bool = False,
+                  entropy_grad: bool = False):
     """log_softmax(head(hidden) / temperature)[targets]: rows [N, d] -> [N] float32, in the autocast dtype if
     autocast is on for hidden's device, else in the weight's (bf16 under FSDP2's mixed precision); and the
-    entropy of each row's distribution [N] (no gradient) when asked, else an empty tensor."""
+    entropy of each row's distribution [N] when asked, else an empty tensor: without a gradient, unless
+    `entropy_grad` (train.entropy_coef), which costs the frozen head's forward one more lm_head matmul."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     return _HeadLogprob.apply(hidden, _frozen_cast(head.weight, dtype), head.bias, targets, temperature, dtype,
-                              entropy, torch.is_grad_enabled())
+                              entropy, torch.is_grad_enabled(), entropy and entropy_grad)
 
 
 _casts: dict[int, tuple] = {}  # id(weight) -> (its weak reference, what it was cast from, the cast)
@@ -53,10 +55,11 @@ class _HeadLogprob(torch.autograd.Function):
     FROZEN_DIRECTION = True  # False: a frozen head's backward as a trained one's (bench.train_step --head-logits)
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled, entropy_grad):
         device = hidden.device
         chunk = _HeadLogprob.CPU_CHUNK_BYTES if device.type == "cpu" else _HeadLogprob.GPU_CHUNK_BYTES
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3] if grad_enabled else (False, False, False)
+        entropy_grad = entropy_grad and (needs_h or needs_w or needs_b)
         with torch.autocast(device.type, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
@@ -67,8 +70,11 @@ class _HeadLogprob(torch.autograd.Function):
             # pass fewer than recomputing the logits there, and nothing [rows, V] held between the two
             direction = torch.empty(len(h), w.shape[1], dtype=dtype, device=device) \
                 if needs_h and not needs_w and not needs_b and _HeadLogprob.FROZEN_DIRECTION else None
-            # a trained head's backward, when the softmax is small: it then needs no second lm_head matmul
-            keep = direction is None and (needs_h or needs_w or needs_b) and \
+            # the entropy's, likewise: (softmax * (log_softmax + H)) @ W, -temperature x d H / d h
+            entropy_direction = torch.empty_like(direction) if entropy_grad and direction is not None else None
+            # a trained head's backward, when the softmax is small: it then needs no second lm_head matmul (the
+            # entropy's gradient takes the log-softmax, which it recomputes)
+            keep = direction is None and (needs_h or needs_w or needs_b) and not entropy_grad and \
                 len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
             kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
             chunks = _chunks(len(h), w.shape[0], chunk)
@@ -82,32 +88,49 @@ class _HeadLogprob(torch.autograd.Function):
                     probs = torch.exp(log_probs, out=scratch.logits[:n] if kept is None else kept[rows])
                     if entropy:  # H = -sum_v p_v log p_v, one dot product a row
                         ent[rows] = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)
+                    if entropy_direction is not None:  # log_probs' last use: overwritten in place
+                        weighted = log_probs.add_(ent[rows, None]).mul_(probs)
+                        if weighted.dtype != dtype:
+                            weighted = scratch.matmul[:n].copy_(weighted)
+                        torch.mm(weighted, w, out=entropy_direction[rows])
                     if direction is not None:  # (softmax - onehot(target)) @ W: -temperature x d logprob / d h
                         residual = probs.scatter_add_(-1, targets[rows, None], minus_one[:n])
                         if residual.dtype != dtype:  # scratch.matmul is free once the logits were copied out
                             residual = scratch.matmul[:n].copy_(residual)
                         torch.mm(residual, w, out=direction[rows])
         if direction is not None:
-            ctx.save_for_backward(direction)
+            ctx.save_for_backward(direction, entropy_direction)
         else:
-            ctx.save_for_backward(h, weight, bias, targets)
+            ctx.save_for_backward(h, weight, bias, targets, ent if entropy_grad else None)
         ctx.temperature, ctx.hidden_dtype, ctx.chunk, ctx.kept = temperature, hidden.dtype, chunk, kept
         ctx.frozen = direction is not None
-        ctx.mark_non_differentiable(ent)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
-    def backward(ctx, grad, _entropy_grad):
+    def backward(ctx, grad, entropy_grad):
         temp = ctx.temperature
         scale = grad / temp
+        nones = (None,) * 6
         if ctx.frozen:  # the forward's (softmax - onehot) @ W, scaled: float32 where scale is
-            direction, = ctx.saved_tensors
-            return (direction * -scale[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None
-        h, weight, bias, targets = ctx.saved_tensors
+            direction, entropy_direction = ctx.saved_tensors
+            grad_h = direction * -scale[:, None]
+            if entropy_direction is not None:  # d H / d h = -(softmax * (log_softmax + H)) @ W / temperature
+                grad_h -= entropy_direction * (entropy_grad / temp)[:, None]
+            return grad_h.to(ctx.hidden_dtype), None, None, *nones
+        h, weight, bias, targets, ent = ctx.saved_tensors
+        entropy_scale = None if ent is None else entropy_grad / temp
 
         kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
 
         def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            if entropy_scale is not None:  # + d H / d logits = -softmax * (log_softmax + H) / temperature
+                log_probs = _log_probs(h[rows], w, b, temp, scratch)
+                probs = torch.exp(log_probs, out=scratch.logits[:len(log_probs)])
+                term = log_probs.add_(ent[rows, None]).mul_(probs).mul_(entropy_scale[rows, None])
+                return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None]).sub_(
+                    term)
             # the forward's softmax, or its bits again
             probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp, scratch).exp_()
             return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None])
@@ -145,7 +168,7 @@ class _HeadLogprob(torch.autograd.Function):
                         grad_b += g.float().sum(0)
         return (None if grad_h is None else grad_h.to(ctx.hidden_dtype),
                 None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), *nones)
 
 
 class _Scratch:

@@ -191,8 +191,9 @@ class Learner:
         if self.device.type == "cpu" and mb.input_ids.numel() >= HEAP_RELEASE_TOKENS:
             release_free_heap()
 
-    def _inputs(self, mb: Batch, entropy: bool):
-        return mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature, entropy
+    def _inputs(self, mb: Batch, entropy: bool, entropy_grad: bool = False):
+        return (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature, entropy,
+                entropy_grad)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.train.autocast == "bfloat16")
@@ -215,13 +216,15 @@ class Learner:
     def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
         world_size = self.rank.world_size
         total_loss, sums, count, tokens, shared = torch.zeros((), device=self.device), {}, 0, 0, 0
+        coef = self.train.entropy_coef
         forwards = []
         for i, (start, stop) in enumerate(passes):
             mb = batch.groups(start, stop).to(self.device)
             self._before_pass(mb)
             with self._autocast():
-                out = self.policy(*self._inputs(mb, entropy=stats is not None))
-                logprobs, entropy = out if stats is not None else (out, None)
+                # train.entropy_coef: the entropy with its gradient, for the loss's term
+                out = self.policy(*self._inputs(mb, stats is not None or bool(coef), entropy_grad=bool(coef)))
+                logprobs, entropy = out if stats is not None or coef else (out, None)
                 shared += self.policy.shared_tokens
                 ref = None
                 if self.reference is not None:
@@ -229,7 +232,7 @@ class Learner:
                         ref = self.reference(*self._inputs(mb, entropy=False))
             forwards.append(logprobs.detach())
             if stats is not None:
-                stats.add(forwards[-1], mb.behav_logprobs, mb.mask, mb.versions, entropy)
+                stats.add(forwards[-1], mb.behav_logprobs, mb.mask, mb.versions, entropy.detach())
             mb_prox = None
             if self.loss_fn.needs_proximal:
                 mb_prox = forwards[-1] if prox is None else prox[i]
@@ -238,6 +241,10 @@ class Learner:
                 group_size=mb.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
                 max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
                 ref_logprobs=ref, prox_logprobs=mb_prox))
+            if coef:  # - coef x the minibatch's token-mean entropy (its tokens: the loss's own denominator)
+                term = -coef * (entropy * mb.mask).sum() / totals[1]
+                loss = loss + term
+                metrics = {**metrics, "loss/entropy": term.item()}
             # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back up.
             (loss * world_size).backward()
             total_loss += loss.detach()
@@ -246,7 +253,7 @@ class Learner:
             count += 1
             tokens += mb.num_tokens
         keys = sorted(sums)
-        summed = set(getattr(self.loss_fn, "summed_metrics", ()))
+        summed = set(getattr(self.loss_fn, "summed_metrics", ())) | {"loss/entropy"}  # each pass's share of the term
         means = [sums[k] if k in summed else sums[k] / max(count, 1) / world_size for k in keys]
         packed = torch.tensor([total_loss.item(), tokens, shared] + means, dtype=torch.float64)
         if world_size > 1:

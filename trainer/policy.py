@@ -38,7 +38,8 @@ class TokenLogprobs(nn.Module):
         a LoRA model's merged weights differ in names and order from its state dict."""
         return list(full_state(self, meta=True))
 
-    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False):
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False,
+                entropy_grad: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         shared, self.shared_tokens = None, 0
         if self.segment_attention and self.share_prefix:
@@ -55,12 +56,13 @@ class TokenLogprobs(nn.Module):
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                     use_cache=False, **attend).last_hidden_state
         picked = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [G, K*T, d]
-        return self.head(picked.flatten(0, 1), targets, temperature, entropy)
+        return self.head(picked.flatten(0, 1), targets, temperature, entropy, entropy_grad)
 
-    def head(self, rows, targets, temperature: float, entropy: bool):
+    def head(self, rows, targets, temperature: float, entropy: bool, entropy_grad: bool = False):
         """Hidden rows [G*K*T, d] -> logprobs [G*K, T]; with `entropy`, (logprobs, the policy's entropy at each
-        of those positions [G*K, T], no gradient)."""
-        out, ent = head_logprobs(rows, self.lm.get_output_embeddings(), targets.reshape(-1), temperature, entropy)
+        of those positions [G*K, T], with a gradient only under `entropy_grad`)."""
+        out, ent = head_logprobs(rows, self.lm.get_output_embeddings(), targets.reshape(-1), temperature, entropy,
+                                 entropy_grad)
         logprobs = out.reshape(targets.shape).clone()  # not a view: FSDP2 hooks the output for its backward
         return (logprobs, ent.reshape(targets.shape)) if entropy else logprobs
 
