@@ -89,15 +89,11 @@ class _HeadLogprob(torch.autograd.Function):
                     if entropy:  # H = -sum_v p_v log p_v, one dot product a row
                         ent[rows] = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)
                     if entropy_direction is not None:  # log_probs' last use: overwritten in place
-                        weighted = log_probs.add_(ent[rows, None]).mul_(probs)
-                        if weighted.dtype != dtype:
-                            weighted = scratch.matmul[:n].copy_(weighted)
-                        torch.mm(weighted, w, out=entropy_direction[rows])
+                        _times_weight(log_probs.add_(ent[rows, None]).mul_(probs), w, scratch,
+                                      entropy_direction[rows])
                     if direction is not None:  # (softmax - onehot(target)) @ W: -temperature x d logprob / d h
-                        residual = probs.scatter_add_(-1, targets[rows, None], minus_one[:n])
-                        if residual.dtype != dtype:  # scratch.matmul is free once the logits were copied out
-                            residual = scratch.matmul[:n].copy_(residual)
-                        torch.mm(residual, w, out=direction[rows])
+                        _times_weight(probs.scatter_add_(-1, targets[rows, None], minus_one[:n]), w, scratch,
+                                      direction[rows])
         if direction is not None:
             ctx.save_for_backward(direction, entropy_direction)
         else:
@@ -125,15 +121,15 @@ class _HeadLogprob(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
 
         def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
+            term = None
             if entropy_scale is not None:  # + d H / d logits = -softmax * (log_softmax + H) / temperature
                 log_probs = _log_probs(h[rows], w, b, temp, scratch)
                 probs = torch.exp(log_probs, out=scratch.logits[:len(log_probs)])
                 term = log_probs.add_(ent[rows, None]).mul_(probs).mul_(entropy_scale[rows, None])
-                return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None]).sub_(
-                    term)
-            # the forward's softmax, or its bits again
-            probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp, scratch).exp_()
-            return probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None])
+            else:  # the forward's softmax, or its bits again
+                probs = kept[rows] if kept is not None else _log_probs(h[rows], w, b, temp, scratch).exp_()
+            g = probs.mul_(-scale[rows, None]).scatter_add_(-1, targets[rows, None], scale[rows, None])
+            return g if term is None else g.sub_(term)
 
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
@@ -181,6 +177,14 @@ class _Scratch:
         self.matmul = torch.empty(rows, vocab, dtype=dtype, device=device)
         self.logits = self.matmul if dtype == torch.float32 else torch.empty(rows, vocab, device=device)
         self.log_probs = torch.empty(rows, vocab, device=device)
+
+
+def _times_weight(values, w, scratch: _Scratch, out):
+    """values [n, V] (float32) @ W [V, d] into out, in W's dtype (through scratch.matmul, free once a chunk's logits
+    were copied out of it)."""
+    if values.dtype != w.dtype:
+        values = scratch.matmul[:len(values)].copy_(values)
+    torch.mm(values, w, out=out)
 
 
 def _logits(h, w, b, temperature, scratch: _Scratch):
