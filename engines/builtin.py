@@ -19,7 +19,9 @@ import torch
 from engines.arch import forward_for
 from engines.base import Completion, Request, check_request, completes_stop_string
 from engines.buckets import unpack
-from engines.sampler import counter_uniform, sample
+from engines.llama import Llama
+from engines.sampler import Passes, counter_uniform, sample
+from engines.static_decode import SlotState, StaticDecode
 from heap import KEEP_TOP, keep_freed_chunks, release_free_heap
 
 
@@ -35,6 +37,7 @@ class Sequence:
     # The weights its prompt's cache was computed with (the engine's `weights_seen` then); None: a continuation,
     # whose cache holds earlier turns, possibly under older weights. Only a current prompt cache is copied.
     prompt_weights: int | None = None
+    fed: int = 0  # decode steps launched for it: its tokens, and one more while the static step's result is unread
     prefix: tuple[int, ...] = field(init=False, repr=False)  # what prefill caches: the prompt but its last token
 
     def __post_init__(self):
@@ -75,16 +78,24 @@ class BuiltinEngine:
     GROWTH = 32
 
     def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False,
+                 static: bool = False, cuda_graphs: bool = False):
+        """static: decode with engines/static_decode.py's step (the GPU plan's; the fast path only): fixed shapes,
+        one host sync a step, read one step late; cuda_graphs: that step as CUDA graphs where the device is CUDA."""
         self.device = torch.device(device)
         with torch.inference_mode(False):  # normal tensors, so callers can copy_() into them outside inference mode
             # engines/arch.py: the fast path, or the fallback (also where `fallback` asks for it)
             self.model = forward_for(model, dtype, max_len, self.device, fallback)
         self.max_batch, self.max_len = max_batch, max_len
-        self.release_when_idle = (self.device.type == "cpu"
+        if static and not isinstance(self.model, Llama):
+            print(f"note: the static decode step runs the fast path only; {type(model).__name__} decodes through "
+                  "the fallback, step by step", flush=True)
+            static = False
+        # The static step's graphs read the cache at fixed addresses: it is made once, full width, and kept.
+        self.release_when_idle = (self.device.type == "cpu" and not static
                                   and self.model.cache_bytes(max_batch, max_len) >= self.IDLE_RELEASE_BYTES)
         self.k_cache = self.v_cache = None
-        self.grows = self.device.type == "cpu" and hasattr(self.model, "grow_cache")
+        self.grows = self.device.type == "cpu" and hasattr(self.model, "grow_cache") and not static
         if not self.release_when_idle:
             self.k_cache, self.v_cache = self._new_cache()
         self.seed = seed
@@ -101,11 +112,16 @@ class BuiltinEngine:
         self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
         on = {"device": self.device}
-        self.slot_token = torch.zeros(max_batch, dtype=torch.long, **on)  # the token to feed next
-        self.slot_pos = torch.zeros(max_batch, dtype=torch.long, **on)    # its position = tokens already cached
-        self.slot_temperature = torch.ones(max_batch, **on)
-        self.slot_request = torch.zeros(max_batch, dtype=torch.long, **on)  # request id: the sampling stream's key
-        self.slot_top_p = torch.ones(max_batch, **on)
+        long = dict(dtype=torch.long, **on)
+        self.slots = SlotState(token=torch.zeros(max_batch, **long), pos=torch.zeros(max_batch, **long),
+                               temperature=torch.ones(max_batch, **on), top_p=torch.ones(max_batch, **on),
+                               request=torch.zeros(max_batch, **long))
+        self.decoder = None  # the static step, or None: each step decodes exactly the running slots (_decode)
+        self.in_flight = None  # the static step launched last and not read yet: (Launched, its sequences, version)
+        if static:
+            with torch.inference_mode(False):
+                self.decoder = StaticDecode(self.model, self.k_cache, self.v_cache, self.slots, seed, max_len,
+                                            cuda_graphs)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         return self.model.weight_tensors()
@@ -214,12 +230,12 @@ class BuiltinEngine:
         if not admitted:
             return
         requests = [r for r, _ in admitted]
-        slots = torch.tensor([slot for _, slot in admitted], device=self.device)
-        self.slot_token[slots] = self._tensor([r.prompt_ids[-1] for r in requests])
-        self.slot_pos[slots] = self._tensor([len(r.prompt_ids) - 1 for r in requests])
-        self.slot_temperature[slots] = self._tensor([r.params.temperature for r in requests], torch.float32)
-        self.slot_request[slots] = self._tensor([r.request_id for r in requests])
-        self.slot_top_p[slots] = self._tensor([r.params.top_p for r in requests], torch.float32)
+        slots = self._tensor([slot for _, slot in admitted])
+        self.slots.token[slots] = self._tensor([r.prompt_ids[-1] for r in requests])
+        self.slots.pos[slots] = self._tensor([len(r.prompt_ids) - 1 for r in requests])
+        self.slots.temperature[slots] = self._tensor([r.params.temperature for r in requests], torch.float32)
+        self.slots.request[slots] = self._tensor([r.request_id for r in requests])
+        self.slots.top_p[slots] = self._tensor([r.params.top_p for r in requests], torch.float32)
         # K samples of one prompt share its prefix: copied from a slot that already holds it (a sibling admitted
         # earlier, still running: continuous batching admits the K samples as slots free up), else computed once
         # for all of them here.
@@ -239,12 +255,12 @@ class BuiltinEngine:
         longest = max((len(p) for p in prefixes), default=0)
         if longest == 0:
             return
-        slots = torch.tensor([slot for _, slot in admitted], device=self.device)
+        slots = self._tensor([slot for _, slot in admitted])
         ids = torch.zeros(len(prefixes), longest, dtype=torch.long)
         for row, prefix in enumerate(prefixes):
             ids[row, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
         self._fit_cache(longest)
-        self.model.prefill(self.k_cache, self.v_cache, ids.to(self.device), self._tensor(rows), slots)
+        self.model.prefill(self.k_cache, self.v_cache, self._on_device(ids), self._tensor(rows), slots)
 
     def _held_prefixes(self, lengths: set[int], pending: set[int]) -> dict[tuple[int, ...], int]:
         """Prompt prefixes (all but the last prompt token) of these lengths that a running slot's cache holds, made
@@ -277,35 +293,77 @@ class BuiltinEngine:
         return slot
 
     def _set_slot(self, slot: int, request: Request) -> None:
-        self.slot_token[slot], self.slot_pos[slot] = request.prompt_ids[-1], len(request.prompt_ids) - 1
-        self.slot_temperature[slot], self.slot_top_p[slot] = request.params.temperature, request.params.top_p
-        self.slot_request[slot] = request.request_id
+        s = self.slots  # scalar writes: device fills, no wait
+        s.token[slot], s.pos[slot] = request.prompt_ids[-1], len(request.prompt_ids) - 1
+        s.temperature[slot], s.top_p[slot] = request.params.temperature, request.params.top_p
+        s.request[slot] = request.request_id
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device)
+        return self._on_device(torch.tensor(values, dtype=dtype))
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        # From pinned memory without blocking: a pageable copy would wait for every step queued before it.
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _decode(self) -> list[Completion]:
-        slots = sorted(self.running)
-        active = self._tensor(slots)
-        pos = self.slot_pos[active]
-        length = int(pos.max()) + 1
+        """One token for each running sequence; the static step returns the step before this one's."""
+        if self.decoder is not None:
+            launched = self._launch()
+            finished = self._collect(*self.in_flight) if self.in_flight else []
+            self.in_flight = launched
+            return finished
+        running = [self.running[slot] for slot in sorted(self.running)]
+        active = self._tensor([seq.slot for seq in running])
+        pos = self.slots.pos[active]
+        length = max(len(seq.request.prompt_ids) + seq.fed for seq in running)  # positions 0..pos, as the host knows
         self._fit_cache(length)
-        logits = self.model.decode(self.k_cache, self.v_cache, self.slot_token[active], pos, active, length)
-        u = counter_uniform(self.seed, self.slot_request[active], pos)
-        tokens, logprobs = sample(logits, self.slot_temperature[active], self.slot_top_p[active], u)
-        self.slot_token[active] = tokens
-        self.slot_pos[active] += 1
+        dense = {"dense": running[-1].slot == len(running) - 1} if isinstance(self.model, Llama) else {}
+        logits = self.model.decode(self.k_cache, self.v_cache, self.slots.token[active], pos, active, length, **dense)
+        u = counter_uniform(self.seed, self.slots.request[active], pos)
+        tokens, logprobs = sample(logits, self.slots.temperature[active], self.slots.top_p[active], u,
+                                  Passes.of(seq.request.params for seq in running))
+        self.slots.token[active] = tokens
+        self.slots.pos[active] += 1
         finished = []
-        for slot, token, logprob in zip(slots, tokens.tolist(), logprobs.tolist()):
-            seq = self.running[slot]
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.versions.append(self.version)
-            reason = seq.finish_reason(self.vocabulary)
-            if reason is not None:
-                finished.append(seq.completion(reason))
-                self._release(slot)
+        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist()):
+            seq.fed += 1
+            self._record(seq, token, logprob, self.version, finished)
         return finished
+
+    def _launch(self):
+        """Queue a static step for every sequence that may still need a token: (the step, them, the version its
+        tokens come from), or None when every running sequence has had its last token launched."""
+        live = [seq for seq in self.running.values() if seq.fed < seq.request.params.max_new_tokens]
+        if not live:
+            return None
+        rows, width = self.decoder.shape(max(seq.slot for seq in live) + 1,
+                                         max(len(seq.request.prompt_ids) + seq.fed for seq in live))
+        launched = self.decoder.launch(rows, width, Passes.of(seq.request.params for seq in live))
+        for seq in live:
+            seq.fed += 1
+        return launched, live, self.version
+
+    def _collect(self, launched, live: list[Sequence], version: int) -> list[Completion]:
+        """Record a static step's tokens. A sequence that finished at the step before was decoded in vain: its
+        slot is free, or another's now, and its row is dropped."""
+        values = self.decoder.read(launched)
+        finished = []
+        for seq in live:
+            if self.running.get(seq.slot) is seq:
+                token, logprob = values[seq.slot]
+                self._record(seq, int(token), logprob, version, finished)
+        return finished
+
+    def _record(self, seq: Sequence, token: int, logprob: float, version: int, finished: list) -> None:
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(version)
+        reason = seq.finish_reason(self.vocabulary)
+        if reason is not None:
+            finished.append(seq.completion(reason))
+            self._release(seq.slot)
 
     def _release(self, slot: int) -> None:
         seq = self.running.pop(slot)
@@ -324,6 +382,8 @@ class BuiltinEngineSpec:
     device: str  # cpu | cuda:N
     # A GPU shared with a trainer rank (the one-GPU layout): the most of it this process may take (0: no cap)
     memory_fraction: float = 0.0
+    static: bool = False  # the GPU plan's decode step (engines/static_decode.py); the CPU plan's decodes its rows
+    cuda_graphs: bool = False  # rollout.cuda_graphs: that step as CUDA graphs, where the device is a GPU
 
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str) -> "BuiltinEngineSpec":
@@ -334,7 +394,8 @@ class BuiltinEngineSpec:
         """On the GPU plan (launch/gpu.py): on the worker's GPU, capped where it shares that GPU with a trainer rank."""
         layout = plan.layout
         share = layout.mem_fraction_static if layout.time_shared and plan.device_type == "cuda" else 0.0
-        return cls(max_batch, max_len, dtype, plan.engine_device(worker), memory_fraction=share)
+        return cls(max_batch, max_len, dtype, plan.engine_device(worker), memory_fraction=share, static=True,
+                   cuda_graphs=plan.cuda_graphs)
 
     @staticmethod
     def bucket_payloads(flat: torch.Tensor, slots: list, tp_size: int) -> list[torch.Tensor]:
@@ -355,7 +416,8 @@ class BuiltinEngineSpec:
                 torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
         # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
         engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
-                               self.max_len, seed, getattr(torch, self.dtype), device)
+                               self.max_len, seed, getattr(torch, self.dtype), device, static=self.static,
+                               cuda_graphs=self.cuda_graphs)
         if device.type == "cpu" and not engine.release_when_idle:
             # Such an engine frees its blocked weights every version and makes them again at once (engines/llama.py),
             # and its decode steps' logits every step: chunks that glibc would unmap or trim, and the next ones fault

@@ -304,16 +304,17 @@ class Llama:
             x = x + self._mlp(layer, x)
 
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-               length: int) -> torch.Tensor:
+               length: int, dense: bool | None = None) -> torch.Tensor:
         """One token for each running slot: ids, pos, slots [n] (slots ascending) -> logits [n, V] in the engine's
         dtype (the sampler takes its one float32 copy).
 
-        `length` bounds every slot's position, so attention reads only cache[..., :length, :].
+        `length` bounds every slot's position, so attention reads only cache[..., :length, :]. `dense`: the slots
+        are 0..n-1 (None: read from `slots`, a host sync; the static step says so instead).
         """
         n = ids.shape[0]
         # Slots 0..n-1 are the common case under continuous batching: read the cache through a strided
         # view; otherwise gather the running slots, cheaper than computing idle ones.
-        dense = int(slots[-1]) == n - 1
+        dense = int(slots[-1]) == n - 1 if dense is None else dense
         # On the CPU attention is two matmuls (_attend_split) where they read contiguous keys: always in fp32 (its
         # batched matmul takes strided operands as they are); in bf16 the gathered slots, or, for slots 0..n-1, the
         # cache's whole width once `length` is at least half of it (past positions are masked), else the fused kernel.

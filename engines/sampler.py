@@ -1,6 +1,8 @@
 """Sampling a batch of next tokens from logits, the built-in engine's last step of a decode: temperature,
 top-p, one counter-based uniform per row (so a seed fixes every completion whatever shares its batch) and the
 sampled token's logprob."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -51,27 +53,52 @@ def counter_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor) -> t
     return shift(z, 11).double().mul_(2.0 ** -53).float()
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Passes:
+    """Which of the sampler's optional passes over [n, V] a batch needs: some row's temperature is neither 0 nor 1
+    (`scale`), some row's top_p < 1 (`nucleus`), some row is greedy (`greedy`). The engine knows them from its
+    requests; a test of the device tensors would make the host wait for the device."""
+    scale: bool
+    nucleus: bool
+    greedy: bool
+
+    @classmethod
+    def of(cls, params) -> "Passes":
+        """For the SamplingParams of a batch's rows."""
+        params = list(params)
+        return cls(any(p.temperature not in (0, 1) for p in params), any(p.top_p < 1 for p in params),
+                   any(p.temperature == 0 for p in params))
+
+    @classmethod
+    def reading(cls, temperature: torch.Tensor, top_p: torch.Tensor) -> "Passes":
+        """From the tensors themselves: three host syncs (tests and one-off callers)."""
+        return cls(bool(((temperature != 0) & (temperature != 1)).any()), bool((top_p < 1).any()),
+                   bool((temperature == 0).any()))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+           passes: Passes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] (float32, or the engine's bf16; left as they are), uniforms u [n] -> tokens [n], and their
-    logprobs under softmax(logits / T) (T = 1 for greedy).
+    logprobs under softmax(logits / T) (T = 1 for greedy). `passes`: which optional passes the rows need (None: read
+    from the tensors); a row that needs a pass its batch skips gets a wrong draw (the engine's idle rows only).
 
     One float32 copy of the logits becomes the softmax numerators in place: at 64 rows of a 49k vocabulary each
     pass over [n, V] costs about a millisecond on a 2-core CPU, and a fresh buffer per pass more. The sampled
-    tokens' own logits are read back from `logits` (divided by T as the whole row was), the same bits."""
+    tokens' own logits are read back from `logits` (divided by T as the whole row was), the same bits. No branch
+    reads the device, so a step can be captured as a CUDA graph (engines/static_decode.py)."""
+    passes = passes or Passes.reading(temperature, top_p)
     greedy = temperature == 0
     divisor = torch.where(greedy, 1.0, temperature)
-    unscaled = bool((divisor == 1).all())
     scaled = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    if not unscaled:
+    if passes.scale:
         scaled.div_(divisor[:, None])
     peak = scaled.amax(dim=-1, keepdim=True)  # max() would also find the argmax: 20x slower at 49k entries
     weights = scaled.sub_(peak).exp_()  # softmax numerators; normalising them is never needed
     log_norm = peak.squeeze(1) + weights.sum(dim=-1).log()
-    if bool((top_p < 1).any()):
+    if passes.nucleus:
         weights = nucleus(weights, top_p)
     tokens = inverse_cdf(weights, u)
-    if bool(greedy.any()):
+    if passes.greedy:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     picked = logits.gather(1, tokens[:, None]).squeeze(1).float()
-    return tokens, (picked if unscaled else picked / divisor) - log_norm
+    return tokens, (picked / divisor if passes.scale else picked) - log_norm

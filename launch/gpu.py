@@ -41,7 +41,8 @@ def gpu_plan(cluster, rollout, minibatch_groups: int, meta_model, num_gpus: int,
         raise ValueError(f"config key 'train.batch_groups' (per minibatch, if train.minibatches > 1) must be "
                          f"divisible by the layout's {layout.num_trainer_ranks} trainer ranks (got {minibatch_groups})")
     return GPUPlan(layout, cluster.weight_sync, cluster.bucket_mb, cluster.activation_checkpointing,
-                   engine_kind=engine, engine_dtype=rollout.dtype, device_type=cluster.device)
+                   engine_kind=engine, engine_dtype=rollout.dtype, device_type=cluster.device,
+                   cuda_graphs=rollout.cuda_graphs)
 
 
 # On one GPU the trainer rank may take what the engine leaves, less this headroom for CUDA's own needs (its
@@ -52,7 +53,7 @@ SHARED_GPU_HEADROOM = 0.05
 @dataclass(frozen=True)
 class GPUPlan:
     """One rollout worker per engine and one trainer rank per training GPU, as `layout` says. The values come from
-    the config (`gpu_plan`); the last three are the tests' hooks."""
+    the config (`gpu_plan`); the last two are the tests' hooks."""
     layout: Layout
     weight_sync: str  # cluster.weight_sync: ipc | nccl
     bucket_mb: int  # cluster.bucket_mb: the weight-sync bucket on trainer rank 0's GPU
@@ -60,10 +61,11 @@ class GPUPlan:
     engine_kind: str  # rollout.engine, settled: sglang | builtin (engines/builtin.py on the engine's GPU)
     engine_dtype: str  # rollout.dtype, settled: the engines' weights, as the trainer ships them
     device_type: str  # cluster.device: cuda, or cpu (trainer ranks on gloo, engines on the CPU)
+    cuda_graphs: bool = True  # rollout.cuda_graphs: the built-in engine's decode step as CUDA graphs
     engine_backend: Callable | None = None  # builds each SGLang engine's backend (None: SGLang); the tests fake it
     serialize: Callable | None = None  # a weight bucket -> per-TP-rank payloads (None: the engine kind's own)
     # A new engine could not pick up a weight version half-shipped to the one it replaces: no restarts yet.
-    max_restarts: int = 0
+    max_restarts = 0  # a class attribute, not a field
 
     @property
     def rollout_workers(self) -> int:

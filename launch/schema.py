@@ -162,6 +162,9 @@ class RolloutConfig:
     # auto | builtin | sglang (engines.ENGINES): the generation engine. auto: SGLang on the GPU plan when it is
     # installed, else the built-in engine (engines/builtin.py, the CPU plan's, on CUDA); sglang needs the GPU plan
     engine: str = "auto"
+    # the built-in engine on the GPU plan: capture its decode step as CUDA graphs, one per batch and width bucket,
+    # at first use (false: the same fixed-shape step, launched kernel by kernel). No effect on the CPU plan
+    cuda_graphs: bool = True
 
     def check(self):
         require(self.group_size >= 2, "rollout.group_size", "must be >= 2", self.group_size)

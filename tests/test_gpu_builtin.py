@@ -59,6 +59,52 @@ def test_gpu_fast_path_and_fallback_match_the_cpu(kind):
         assert max(abs(a - b) for a, b in zip(c.logprobs, g.logprobs)) < 1e-3
 
 
+def _mixed(n=12):
+    """Requests of several lengths, budgets and sampling settings: more than the slots, so slots are refilled."""
+    settings = [SamplingParams(1.0, 1.0, 12), SamplingParams(0.0, 1.0, 7), SamplingParams(0.7, 0.9, 10),
+                SamplingParams(1.0, 1.0, 5)]
+    return [Request(i, [3 + i, 17, 29 + i, 5, 40 + 3 * i][:3 + i % 3], settings[i % 4]) for i in range(n)]
+
+
+def test_cuda_graphs_replay_the_static_step_exactly_and_survive_a_weight_load(tiny_model_dir):
+    """The GPU plan's step as CUDA graphs: the static step's tokens and logprobs bit for bit, graphs captured per
+    shape, and after new weights are copied in (as load_bucket does) every graph reads them: the same tokens as
+    an eager engine given the same weights; no address a graph reads has moved."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    make = lambda graphs: BuiltinEngine(model, max_batch=8, max_len=40, seed=2, dtype=torch.bfloat16,  # noqa: E731
+                                        device="cuda:0", static=True, cuda_graphs=graphs)
+    eager, graphed = make(False), make(True)
+    addresses = lambda e: sorted(t.data_ptr() for t in [*e.weight_tensors().values(), e.k_cache, e.v_cache,  # noqa
+                                                         e.slots.token, e.slots.pos, e.decoder.out])
+    before = addresses(graphed)
+    for engine in (eager, graphed):
+        assert [c.token_ids for c in engine.generate(_mixed())]  # warm: graphs captured here
+    assert graphed.decoder.use_graphs and len(graphed.decoder.graphs) >= 2
+    a, b = eager.generate(_mixed()), graphed.generate(_mixed())
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    torch.manual_seed(0)
+    noise = {n: torch.randn_like(t) * 0.05 for n, t in eager.weight_tensors().items()}
+    for engine in (eager, graphed):
+        for name, tensor in engine.weight_tensors().items():
+            tensor.copy_(tensor + noise[name])
+        engine.adopt_weights(1)
+    captured = len(graphed.decoder.graphs)
+    a, b = eager.generate(_mixed()), graphed.generate(_mixed())
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] and all(c.versions[0] == 1 for c in b)
+    assert len(graphed.decoder.graphs) == captured and addresses(graphed) == before
+
+
+def test_the_static_step_on_cuda_samples_what_the_stepwise_step_samples_in_float32(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    stepwise = BuiltinEngine(model, max_batch=4, max_len=40, seed=1, device="cuda:0").generate(_mixed())
+    graphed = BuiltinEngine(model, max_batch=4, max_len=40, seed=1, device="cuda:0", static=True,
+                            cuda_graphs=True).generate(_mixed())
+    for c, g in zip(stepwise, graphed):
+        assert g.token_ids == c.token_ids, c.request_id
+        assert max(abs(x - y) for x, y in zip(c.logprobs, g.logprobs)) < 1e-4
+
+
 def _engine_process(model_dir, weights, versions, results):
     """A rollout process's side: a built-in engine on GPU 0 following the weight path; once it holds each version,
     it reports the sum of every weight it holds."""

@@ -121,7 +121,11 @@ def test_gpu_plan_with_the_built_in_engine():
     plan = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32"), 8, _meta_lm(), num_gpus=4,
                     gpu_bytes=80 << 30, engine="builtin")
     specs = [plan.engine(w, max_batch=32, max_len=64, dtype="float32") for w in range(plan.rollout_workers)]
-    assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}") for g in (0, 1)]
+    # the static decode step, as CUDA graphs unless rollout.cuda_graphs=false
+    assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}", static=True, cuda_graphs=True) for g in (0, 1)]
+    eager = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32", cuda_graphs=False), 8, _meta_lm(),
+                     num_gpus=4, gpu_bytes=80 << 30, engine="builtin")
+    assert not eager.engine(0, max_batch=32, max_len=64, dtype="float32").cuda_graphs
     weights = plan.weights(_meta_lm())
     assert weights.payloads is BuiltinEngineSpec.bucket_payloads and weights.dtype == torch.float32
     weights.channel.close()
