@@ -2,9 +2,10 @@
 queues between them: the neutral vocabulary of `engines/weight_sync.py`, of every engine's `load_bucket`
 (`engines/builtin.py`, `engines/sglang.py`) and of the trainer's names (`engine_name`).
 
-Every trainer rank walks the state dict in the same order (`full_tensor()` is a collective); rank 0 copies each
-full weight, in the engines' dtype and under the engine's name, into a flat bucket of at most `bucket_bytes`:
-the tensors' bytes back to back, in order, no padding (the layout of SGLang's `FlattenedTensorBucket`).
+Every trainer rank walks the full weights in the same order (their gathers are collectives: trainer/gather.py);
+rank 0 casts each full weight, in the engines' dtype and under the engine's name, into a flat bucket of at most
+`bucket_bytes`: the tensors' bytes back to back, in order, no padding (the layout of SGLang's
+`FlattenedTensorBucket`).
 """
 import queue
 import time
@@ -71,9 +72,10 @@ def weight_specs(named: Iterable[tuple[str, torch.Tensor]], tied: bool, dtype: t
 
 
 def pack(slot: Slot, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Copy `tensor` (cast to the slot's dtype) into its byte range of the uint8 `buffer`."""
+    """Copy `tensor` (cast to the slot's dtype) into its byte range of the uint8 `buffer`: one kernel, which casts
+    as it writes, with no cast or contiguous copy on the way."""
     assert tensor.shape == slot.shape, (slot.name, tensor.shape, slot.shape)
-    buffer[slot.start:slot.end].copy_(tensor.detach().to(slot.dtype).contiguous().view(-1).view(torch.uint8))
+    buffer[slot.start:slot.end].view(slot.dtype).view(slot.shape).copy_(tensor.detach())
 
 
 def unpack(flat: torch.Tensor, slots: list[Slot]) -> list[tuple[str, torch.Tensor]]:
@@ -81,22 +83,47 @@ def unpack(flat: torch.Tensor, slots: list[Slot]) -> list[tuple[str, torch.Tenso
     return [(s.name, flat[s.start:s.end].view(s.dtype).reshape(s.shape)) for s in slots]
 
 
+class Stopwatch:
+    """Seconds per phase of a weight push, added into `phases` when it is given (a benchmark's timings); without
+    it a lap is one test and nothing more. On a GPU each lap first waits for the device, so that the kernels a
+    phase queued count in that phase: it slows the push it times."""
+
+    def __init__(self, phases: dict[str, float] | None = None, device=None):
+        self.phases = phases
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.device, self.start = device, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.phases is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.start
+        self.start = now
+
+
 def send_buckets(tensors: Iterable[tuple[str, torch.Tensor]], buckets: list[list[Slot]], device,
-                 ship: Callable[[int, torch.Tensor, list[Slot]], None]) -> None:
+                 ship: Callable[[int, torch.Tensor, list[Slot]], None], clock: Stopwatch | None = None) -> None:
     """Fill a flat bucket on `device` from the (name, tensor) stream and call ship(index, flat, slots), per bucket.
 
     A fresh bucket each time, not one reused buffer: torch keeps memory shared over CUDA IPC out of reuse until
     every process that mapped it has released it, after syncing its stream, so a late GPU copy in an engine
-    never reads the next bucket's bytes. Ranks other than 0 pass device=None: they only join the gathers."""
+    never reads the next bucket's bytes. Ranks other than 0 pass device=None: they only join the gathers.
+    clock: laps "alloc" (a fresh bucket), "gather" (the stream's next tensor) and "pack"; `ship` laps its own."""
+    clock = clock or Stopwatch()
     stream = iter(tensors)
     for i, slots in enumerate(buckets):
         flat = None if device is None else torch.empty(slots[-1].end, dtype=torch.uint8, device=device)
+        clock.lap("alloc")
         for slot in slots:
             name, tensor = next(stream)
+            clock.lap("gather")
             if name != slot.name:
                 raise RuntimeError(f"weight {name!r} arrived where the bucket plan has {slot.name!r}")
             if flat is not None:
                 pack(slot, tensor, flat)
+                clock.lap("pack")
         if flat is not None:
             ship(i, flat, slots)
 

@@ -16,6 +16,7 @@ import torch
 
 from engines.buckets import (
     BucketMessage,
+    Stopwatch,
     WeightChannel,
     engine_weights,
     plan_buckets,
@@ -75,8 +76,12 @@ class Publisher:
         if lead and path.mode == "nccl":
             self.group = nccl_trainer_group(*path.nccl_address, 1 + sum(path.tp_sizes), group_name)
 
-    def publish(self, named, version: int) -> None:
+    def publish(self, named, version: int, phases: dict[str, float] | None = None) -> None:
+        """Ship the weights `named` streams as `version`; returns once every engine has loaded them. phases: where
+        the time went, in seconds added into it, per phase (engines/buckets.py `Stopwatch`: alloc, gather, pack,
+        hand-off, acks), the device synchronised between phases: for benchmarks only."""
         path = self.path
+        clock = Stopwatch(phases, self.device)
 
         def ship(index, flat, slots):
             if self.stop is not None and self.stop.is_set():
@@ -87,9 +92,11 @@ class Publisher:
                 path.channel.send(engine, BucketMessage(version, index, last, slots, payloads))
             if self.group is not None:
                 nccl_broadcast(flat, self.group)
+            clock.lap("hand-off")
             path.channel.wait_acks(version, index, len(path.tp_sizes), self.stop)
+            clock.lap("acks")
 
-        send_buckets(engine_weights(named, self.tied), self.buckets, self.device, ship)
+        send_buckets(engine_weights(named, self.tied), self.buckets, self.device, ship, clock)
 
 
 def receive_version(engine, channel: WeightChannel, index: int, timeout_s: float = RECEIVE_TIMEOUT_S) -> list:

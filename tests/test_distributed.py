@@ -1,20 +1,25 @@
 """FSDP2 over gloo: one optimizer step on two ranks gives the weights one rank gives; a compiled model gives
-the weights the eager one gives."""
+the weights the eager one gives; the full weights come in a few all-gathers, bit for bit what full_tensor() gives."""
+import contextlib
 import socket
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 import algos
+from engines.buckets import engine_name
 from launch.schema import RolloutConfig, TrainConfig
 from tests.test_tied_groups import MIXED
 from tests.test_tied_groups import _groups as tied_groups
 from tests.test_trainer import _groups
 from trainer.batch import pack
 from trainer.learner import Learner, Rank
-from trainer.policy import full_state
+from trainer.lora import merged
+from trainer.policy import TokenLogprobs, full_state, shard
 
 
 def _learner(model_dir, rank, world, port, algo="grpo", compile=False, skip_tied=True):
@@ -116,3 +121,93 @@ def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
     finally:
         dist.destroy_process_group()
     assert timeout == COLLECTIVE_TIMEOUT
+
+
+# ---- the full weights in a few all-gathers (trainer/gather.py) ----
+
+@contextlib.contextmanager
+def _counted_gathers():
+    """Inside: a function that says how many all-gathers were entered, whichever way (full_tensor is one each)."""
+    with (mock.patch.object(dist, "all_gather_single", wraps=dist.all_gather_single) as single,
+          mock.patch.object(dist, "all_gather", wraps=dist.all_gather) as gather,
+          mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as full):
+        yield lambda: single.call_count + gather.call_count + full.call_count
+
+
+def _one_by_one(policy):
+    """What full_state gave before trainer/gather.py: one full_tensor() per weight, the reference here."""
+    named = ((engine_name(n), v.full_tensor() if isinstance(v, DTensor) else v) for n, v in policy.state_dict().items())
+    return list(merged(named, policy.lm))
+
+
+def _compare(got, expected) -> dict:
+    return {"names": [n for n, _ in got] == [n for n, _ in expected],
+            "bits": all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))}
+
+
+def _gathers(rank, world, port, out):
+    """On each of `world` ranks: full_state and full_tensors against full_tensor(), and their all-gathers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tests.test_lora import LORA, _perturb_adapters
+    from tests.tiny_models import tiny_model
+    from trainer.gather import full_tensors
+    from trainer.lora import add_adapters
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for layers in (2, 8):  # vocabulary 511: embeddings and head of an odd dim 0, split 256 + 255
+            policy = shard(TokenLogprobs(tiny_model("qwen3", vocab=511, num_hidden_layers=layers)))
+            with _counted_gathers() as count:
+                got = [(n, t.clone()) for n, t in full_state(policy)]
+            results[layers] = {**_compare(got, _one_by_one(policy)), "gathers": count(), "weights": len(got)}
+        lm = add_adapters(tiny_model("qwen3", vocab=511), LORA, torch.bfloat16)  # bf16 base, fp32 adapters
+        _perturb_adapters(lm)
+        policy = shard(TokenLogprobs(lm))
+        with _counted_gathers() as count:
+            got = list(full_state(policy))
+        results["lora"] = {**_compare(got, _one_by_one(policy)), "gathers": count(), "weights": len(got)}
+
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world,))
+        named = [("odd", distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])),
+                 ("one_row", distribute_tensor(torch.randn(1, 4), mesh, [Shard(0)])),  # none on rank 1
+                 ("vector", distribute_tensor(torch.randn(7), mesh, [Shard(0)])),  # past 80 bytes: a second batch
+                 ("bf16", distribute_tensor(torch.randn(3, 1).bfloat16(), mesh, [Shard(0)])),  # 4 bytes a rank
+                 ("wide", distribute_tensor(torch.randn(3, dtype=torch.float64), mesh, [Shard(0)])),  # aligned after
+                 ("replicated", distribute_tensor(torch.randn(2, 2), mesh, [Replicate()])),  # full_tensor()
+                 ("plain", torch.randn(3)),
+                 ("last", distribute_tensor(torch.randn(2, 2), mesh, [Shard(0)]))]  # a third batch
+        expected = [(n, v.full_tensor() if isinstance(v, DTensor) else v) for n, v in named]
+        with _counted_gathers() as count:
+            got = list(full_tensors(named, budget=80))  # odd and one_row: 76 bytes together
+        results["handmade"] = {**_compare(got, expected), "gathers": count()}
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gathers") / "results.pt"
+    mp.spawn(_gathers, args=(2, _port(), str(out)), nprocs=2)
+    return torch.load(out)
+
+
+def test_full_state_is_full_tensor_bit_for_bit(gathered):
+    """Two FSDP2 ranks: the same names, order and bits as one full_tensor() per weight, a weight of an odd dim 0
+    and a LoRA model's merged weights (a bf16 base under fp32 adapters) included."""
+    for case in (2, 8, "lora"):
+        assert gathered[case]["names"] and gathered[case]["bits"], case
+    assert gathered["handmade"] == {"names": True, "bits": True, "gathers": 4}  # 3 batches and the replicated one
+
+
+def test_full_state_gathers_in_as_many_collectives_for_any_number_of_weights(gathered):
+    """One all-gather for a model of 2 layers or of 8 (one full_tensor() per weight made 25 and 91), and for a
+    LoRA model, whose bf16 base weights and fp32 adapters alternate in the state dict."""
+    assert (gathered[2]["weights"], gathered[8]["weights"]) == (25, 91)
+    assert gathered[2]["gathers"] == gathered[8]["gathers"] == gathered["lora"]["gathers"] == 1

@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engines.buckets import WeightChannel, engine_name, engine_weights, plan_buckets, send_buckets, unpack, weight_specs
+from engines.buckets import (
+    WeightChannel,
+    engine_name,
+    engine_weights,
+    pack,
+    plan_buckets,
+    send_buckets,
+    unpack,
+    weight_specs,
+)
 from engines.sglang import SGLangEngine
 from engines.weight_sync import GPUWeights, Publisher, receive_version
 from launch.plan import free_port
@@ -64,6 +73,20 @@ def test_buckets_keep_order_and_size_limit():
         plan_buckets(specs, 0)
 
 
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_pack_writes_the_bytes_a_cast_and_copy_wrote(source):
+    """pack casts as it copies into the bucket: the bytes of `tensor.to(bf16).contiguous()`, from a non-contiguous
+    source too, at a slot that does not start the bucket."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 5).to(source), torch.randn(6, 4).to(source).t(), torch.randn(7).to(source) * 1e5]
+    (slots,) = plan_buckets([(f"w{i}", t.shape, torch.bfloat16) for i, t in enumerate(tensors)], 1 << 20)
+    flat = torch.zeros(slots[-1].end, dtype=torch.uint8)
+    for slot, tensor in zip(slots, tensors):
+        pack(slot, tensor, flat)
+    before = torch.cat([t.to(torch.bfloat16).contiguous().view(-1).view(torch.uint8) for t in tensors])
+    assert torch.equal(flat, before)
+
+
 def test_send_buckets_round_trip_in_bf16():
     lm = tiny_lm(tied=False)
     named = list(engine_weights(lm.state_dict().items(), tied=False))
@@ -103,14 +126,16 @@ def test_publisher_ships_every_bucket_to_every_engine():
             time.sleep(0.001)
 
     threads = [threading.Thread(target=follow, args=(e,)) for e in range(2)]
+    phases = {}
     try:
         for t in threads:
             t.start()
-        publisher.publish(lm.state_dict().items(), version=1)
+        publisher.publish(lm.state_dict().items(), version=1, phases=phases)
     finally:
         for t in threads:
             t.join()
         channel.close()
+    assert list(phases) == ["alloc", "gather", "pack", "hand-off", "acks"] and min(phases.values()) > 0
     for engine, tp in zip(engines, (1, 2)):
         loads = engine.backend.loaded
         assert len(loads) == len(publisher.buckets) > 1 and engine.version == 1

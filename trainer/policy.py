@@ -10,6 +10,7 @@ from torch.distributed.fsdp import fully_shard
 from engines.buckets import engine_name
 from trainer.attention import layout, use_segment_attention
 from trainer.batch import PAD, SharedPrefix, hoist_prefix
+from trainer.gather import full_tensors
 from trainer.head import head_logprobs
 from trainer.lora import Adapters, merged
 
@@ -136,19 +137,17 @@ def shard(policy: TokenLogprobs) -> TokenLogprobs:
 
 
 def full_state(policy: nn.Module, meta: bool = False):
-    """Yield (Hugging Face name, full tensor) for every weight; a collective under FSDP2 (all ranks call it).
-    Wrapper segments in the names (activation checkpointing on the GPU plan) are dropped; a LoRA model's
-    weights come merged (trainer/lora.py). meta=True: the same names in the same order, as meta tensors of the
-    full shapes, gathering nothing: what a weight path plans its buckets from."""
-    def full():
-        for name, value in policy.state_dict().items():
-            if meta:
-                value = torch.empty(value.shape, dtype=value.dtype, device="meta")  # a DTensor's shape is global
-            elif hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            yield engine_name(name), value
-
-    yield from merged(full(), policy.lm)
+    """Yield (Hugging Face name, full tensor) for every weight; collectives under FSDP2 (all ranks call it), a few
+    per model, not one per weight (trainer/gather.py). Wrapper segments in the names (activation checkpointing on
+    the GPU plan) are dropped; a LoRA model's weights come merged (trainer/lora.py). meta=True: the same names in
+    the same order, as meta tensors of the full shapes, gathering nothing: what a weight path plans its buckets
+    from."""
+    state = policy.state_dict().items()
+    if meta:  # a DTensor's shape is global
+        full = ((name, torch.empty(value.shape, dtype=value.dtype, device="meta")) for name, value in state)
+    else:
+        full = full_tensors(state)
+    yield from merged(((engine_name(name), value) for name, value in full), policy.lm)
 
 
 # How long a rank may wait in a collective: a backstop only. Ranks other than 0 wait for rank 0's word in
