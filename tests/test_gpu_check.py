@@ -30,8 +30,7 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_returns_only_what_fits(tmp_path
     report = _report(tmp_path)
     assert report["ok"] and report["mode"] == "cpu" and report["machine"]["source_digest"]
     names = [s["name"] for s in report["steps"]]
-    assert names[:4] == ["tests", "train", "train_eta0", "train_lora"]
-    assert {f"bench/tiny/{b}" for b in ("gpu_engine", "gpu_train", "gpu_weights")} <= set(names)
+    assert names == PART_1 + ["train_lora", "tests_plan"]
     train = {s["name"]: s for s in report["steps"] if s["name"].startswith("train")}
     assert train["train"]["plan"].startswith("gpu plan on the cpu")  # the GPU plan's classes, not cluster=cpu
     assert train["train"]["max_staleness"] == 1 and train["train_eta0"]["max_staleness"] == 0  # gpu1's default
@@ -45,6 +44,26 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_returns_only_what_fits(tmp_path
     sizes = [os.path.getsize(tmp_path / f) for f in files]
     assert max(sizes) <= 16 << 20 and sum(sizes) <= 64 << 20
     assert "passed" in (tmp_path / "report.md").read_text().splitlines()[0]
+
+
+PART_1 = ["bench/tiny/gpu_engine", "bench/tiny/gpu_weights", "tests", "train", "train_eta0", "bench/tiny/gpu_train"]
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_part_1_runs_alone_within_its_budget_on_the_cpu(tmp_path):
+    """The part a lent GPU machine runs first: the engine and the weight push before anything else, in 450 s."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("OUT", None)
+    start = time.monotonic()
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu", "--part", "1", "--out",
+                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert time.monotonic() - start < 480
+    report = _report(tmp_path)
+    assert report["ok"] and report["budget_s"] == 450 and [s["name"] for s in report["steps"]] == PART_1
+    engine = report["steps"][0]["figures"]
+    assert engine["graphs_same_tokens_as_static"] == 1.0  # without CUDA the same eager step twice
+    assert set(report["steps"][1]["figures"]["phases_median_s"]) >= {"gather", "pack", "hand-off", "acks"}
 
 
 def _fake_parts(steps):
