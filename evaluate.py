@@ -16,23 +16,10 @@ import tasks
 from engines.base import Completion, Request, SamplingParams
 from heap import release_free_heap
 from rewards.pool import RewardPool
+from runtime.setup import EvalSpec
 
 if TYPE_CHECKING:
     from engines.base import EngineSpec
-    from launch.schema import EnvConfig, EvalConfig, RewardConfig
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    """An evaluation's settings: the config's eval and reward sections, and what the launcher resolved."""
-    eval: "EvalConfig"  # k, temperature, max_examples
-    reward: "RewardConfig"  # the verifier pool's workers and timeout
-    max_new_tokens: int  # the rollouts' completion budget
-    stop_ids: tuple  # the model's end-of-sequence tokens
-    seed: int
-    dtype: str = "float32"  # a CPU evaluation engine's weights, as in rollout.dtype
-    chat_template: tuple = ()  # model.chat_template as (key, value) pairs (a frozen dataclass holds no dict)
-    env: "EnvConfig | None" = None  # a multi-turn task's limits: its test examples are evaluated as episodes
 
 
 @runtime_checkable

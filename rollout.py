@@ -20,15 +20,15 @@ import tasks
 from buffer.ring import Group
 from engines.base import Completion, SamplingParams
 from envs.episode import Episode, Turns
-from launch.cores import Threads
-from launch.shared import SANDBOX_KILLS, Shared
 from rewards.pool import RewardPool, ScoreHandle
+from runtime.cores import Threads
+from runtime.shared import SANDBOX_KILLS, Shared
 
 if TYPE_CHECKING:
     from engines.base import EngineSpec
     from evaluate import Evaluator
-    from launch.schema import Config
-    from launch.setup import RunSetup
+    from runtime.schema import Config
+    from runtime.setup import RunSetup
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RolloutArgs:
     """One rollout worker process's arguments: built by the launcher (train.py), picklable, passed whole."""
     worker: int  # this worker's index: group ids interleave the workers
     workers: int  # the plan's rollout workers
-    cfg: "Config"  # the run's typed config (launch/schema.py)
+    cfg: "Config"  # the run's typed config (runtime/schema.py)
     setup: "RunSetup"  # what the launcher settled: the model's folder, its stop tokens, the prompt width, ...
     engine: "EngineSpec"  # how this worker builds its engine (the plan's)
     evaluator: "Evaluator"  # how the plan evaluates: this worker's part of it, if any
@@ -121,7 +121,7 @@ class RolloutWorker:
 
     def _decoding(self, decoding: bool) -> None:
         """Tell the trainer whether this worker is decoding: a shared step takes its core while it is not
-        (launch/cores.py)."""
+        (runtime/cores.py)."""
         if self.shared.cores is not None:
             self.shared.cores.worker_decoding(self.worker, decoding)
 
@@ -155,7 +155,7 @@ class RolloutWorker:
                         self.start_group()
                 continue
             self._decoding(True)
-            if self.shared.cores is not None:  # the cores go where the work is (launch/cores.py)
+            if self.shared.cores is not None:  # the cores go where the work is (runtime/cores.py)
                 self.threads.set(self.shared.cores.worker_threads())
             heart.beat("generate")
             self.collect(self.engine.step())

@@ -94,14 +94,14 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     from engines.arch import engine_path
     from evaluate import longest_request
     from launch.forkserver import wait_for_imports
-    from launch.heartbeat import Allowance, Heartbeats
     from launch.plan import cores_for, free_port, pin_threads
-    from launch.setup import RunSetup
-    from launch.shared import NodeCounters, Shared, WorkerCounters
     from launch.summary import draw_curves, write_summary
     from launch.supervisor import Supervisor
     from rollout import RolloutArgs
     from rollout import run as run_worker
+    from runtime.heartbeat import Allowance, Heartbeats
+    from runtime.setup import RunSetup
+    from runtime.shared import NodeCounters, Shared, WorkerCounters
     from trainer.freeze import check_freeze_layers
     from trainer.learner import Rank
     from trainer.loop import TrainerArgs
@@ -240,7 +240,7 @@ def _trainer_node(cfg, plan: str):
 
 def _launcher_counts(counters) -> dict:
     """What the launcher counted (worker restarts, groups lost with a dead worker), read once every process has
-    stopped: summary.json's, equal to the last metrics row's by construction (launch.shared.Finish)."""
+    stopped: summary.json's, equal to the last metrics row's by construction (runtime.shared.Finish)."""
     return {f"rollout/{name}": counters.total(name) for name in ("restarts", "lost_groups")}
 
 
@@ -298,7 +298,7 @@ def _plan(name: str, cfg, model_path: str, model_config):
 
 
 def _eval_spec(cfg, stop_ids: tuple):
-    from evaluate import EvalSpec
+    from runtime.setup import EvalSpec
 
     return EvalSpec(cfg.eval, cfg.reward, cfg.rollout.max_new_tokens, stop_ids, cfg.seed, cfg.rollout.dtype,
                     tuple(sorted(cfg.model.chat_template.items())), cfg.env)

@@ -32,7 +32,7 @@ from bench.common import matmul_peak_flops
 from bench.shapes import add_model_arguments, random_model
 from buffer.ring import Group
 from launch.plan import free_port
-from launch.schema import RolloutConfig, TrainConfig
+from runtime.schema import RolloutConfig, TrainConfig
 from trainer.batch import pack, pass_tokens
 from trainer.gpu_policy import GPUPlacement, attn_implementation
 from trainer.learner import Learner, Rank

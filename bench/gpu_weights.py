@@ -35,7 +35,7 @@ from engines.buckets import WeightChannel, weight_specs
 from engines.builtin import BuiltinEngine, BuiltinEngineSpec
 from engines.weight_sync import GPUWeights
 from launch.plan import free_port
-from launch.shared import stop_when_dead
+from runtime.shared import stop_when_dead
 from trainer.gpu_policy import GPUPlacement
 from trainer.policy import full_state
 

@@ -39,7 +39,7 @@ def one(args) -> dict:
 
     import algos
     from bench.train_step import batch
-    from launch.schema import LoraConfig, RolloutConfig, TrainConfig
+    from runtime.schema import LoraConfig, RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     torch.set_num_threads(args.threads)

@@ -47,8 +47,8 @@ import algos
 import trainer.attention
 from bench.common import bench_dtypes, matmul_peak_flops, model_matmul_flops, task_prompts
 from buffer.ring import Group
-from launch.schema import RolloutConfig, TrainConfig
 from models.loader import resolve
+from runtime.schema import RolloutConfig, TrainConfig
 from trainer.batch import pack
 from trainer.freeze import train_flops_per_token
 from trainer.head import _HeadLogprob

@@ -20,7 +20,7 @@ from buffer.ring import FINISH_REASONS
 from engines.base import Completion, Request, SamplingParams
 from envs import COUNTED, Step
 from envs.pool import Pending, StepPool
-from envs.render import Renderer, cut_middle
+from envs.render import Renderer, cut_middle, prompt_ids
 
 TURN_SHIFT = 40  # request id = key + (turn << TURN_SHIFT)
 KEY_MASK = (1 << TURN_SHIFT) - 1
@@ -87,11 +87,9 @@ class Turns:
 
     def prompt(self, example) -> tuple[list[int], list[dict]]:
         """The first prompt of `example` and its messages (the task's, rendered like every observation)."""
-        import tasks
-
         messages = self.task.messages(example)
         if not self.multi:
-            return tasks.prompt_ids(self.tokenizer, example.question), messages
+            return prompt_ids(self.tokenizer, example.question), messages
         return self.renderer.prompt(messages), messages
 
     def start(self, key: int, prompt_ids: list[int], messages: list[dict], example) -> Episode:

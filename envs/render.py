@@ -48,6 +48,14 @@ class Renderer:
         return self.tokenizer(full[self.cut:], add_special_tokens=False)["input_ids"]
 
 
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    """The question as a chat turn, ready for the assistant's reply (with the options tasks.load_tokenizer gave)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True,
+                                         **getattr(tokenizer, "ringrl_chat_template", {}))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
     """At most `limit` tokens: the head and the tail of `ids` around `marker` (an observation too long)."""
     if len(ids) <= limit:

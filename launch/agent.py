@@ -19,9 +19,9 @@ import torch
 
 from buffer.ring import TrajectoryRing
 from buffer.staleness import LeaseGate
-from launch.heartbeat import Allowance, Heartbeats
-from launch.shared import Shared, WorkerCounters
 from launch.supervisor import Supervisor
+from runtime.heartbeat import Allowance, Heartbeats
+from runtime.shared import Shared, WorkerCounters
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class NodeRun:
     """What every generator node gets alike: the run as the trainer node settled it."""
     workers: int  # every node's rollout workers together: the ring's lanes, the group ids' stride
     cfg: object  # the run's typed config
-    setup: object  # launch.setup.RunSetup
+    setup: object  # runtime.setup.RunSetup
     plan: object  # the nodes' launch.plan.CPUPlan: the weight store
     engine: object  # each worker's engine spec
     evaluator: object  # the plan's evaluator (generator nodes take no part in evaluation)
@@ -53,7 +53,7 @@ class NodeArgs:
 class Exchange:
     """A generator node's answer to `exchange`."""
     groups: list  # finished groups (buffer.ring.Group), oldest first
-    counters: torch.Tensor  # its workers' rows of launch.shared.WorkerCounters
+    counters: torch.Tensor  # its workers' rows of runtime.shared.WorkerCounters
     unused: int  # leased starts not used yet
     error: str | None  # the supervisor's one-line failure, once the node's workers cannot go on
 

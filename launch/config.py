@@ -1,4 +1,4 @@
-"""The run configuration as Hydra composes it, parsed into the schema (launch/schema.py).
+"""The run configuration as Hydra composes it, parsed into the schema (runtime/schema.py).
 
 Hydra composes `conf/config.yaml`: the schema first (`register` stores it as `schema`, each learning rule's
 and task's own `Config` as `schema/algo/<name>` and `schema/task/<name>`), then one preset per group
@@ -16,8 +16,8 @@ from typing import get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from launch.schema import Config
 from registry import unknown
+from runtime.schema import Config
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 GROUPS = ("algo", "task", "model", "cluster")

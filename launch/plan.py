@@ -137,9 +137,9 @@ class CPUPlan:
 
 
 def cores_for(cluster, plan: Plan, max_staleness: int):
-    """Who gets the cores (launch/cores.py): shared by phase on the CPU plan with threads_per_process=0, else
+    """Who gets the cores (runtime/cores.py): shared by phase on the CPU plan with threads_per_process=0, else
     a fixed count per process (1 on the GPU plan, whose processes compute on the GPU)."""
-    from launch.cores import Cores
+    from runtime.cores import Cores
 
     workers, ranks = plan.rollout_workers, plan.trainer_ranks
     fixed = cluster.threads_per_process or (0 if isinstance(plan, CPUPlan) else 1)

@@ -361,7 +361,7 @@ class RayNodes:
         return join_command(self.cfg, self.cluster.address if self.cluster else self.gcs, self.cluster is not None)
 
     def _publish_counts(self) -> None:
-        """The nodes' counts where trainer rank 0 reads them for its metrics rows (launch.shared.NodeCounters)."""
+        """The nodes' counts where trainer rank 0 reads them for its metrics rows (runtime.shared.NodeCounters)."""
         table = self.shared.nodes
         if table is None:
             return

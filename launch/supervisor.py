@@ -1,7 +1,7 @@
 """Start worker processes (`spawn`, or on the CPU from a forkserver: launch/forkserver.py), watch them, and shut
 everything down on any exit path.
 
-Watching covers processes that exit (a failure, a kill) and, with heartbeats (launch/heartbeat.py), processes
+Watching covers processes that exit (a failure, a kill) and, with heartbeats (runtime/heartbeat.py), processes
 that are alive but stuck: one whose last beat is older than its phase allows is named in one line
 (`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
 (faulthandler, on SIGUSR1 to its main thread, then a SIGCONT in case it was stopped; the signal's default action
@@ -29,7 +29,7 @@ import torch
 from setproctitle import setproctitle
 
 from launch.memory import tree_peak_rss_mb, tree_pss_parts_mb
-from launch.shared import Finish, StopFlag
+from runtime.shared import Finish, StopFlag
 
 
 def _child_main(name, target, kwargs, errors, threads, stack_pipe, environ):
@@ -117,7 +117,7 @@ def _to_main_thread(pid: int, sig: int) -> None:
 class Supervisor:
     def __init__(self, stacks_dir: str = "", hearts=None, allowance=None, ctx=None):
         """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only),
-        allowance: how long each phase may go without a beat (launch.heartbeat.Allowance), and ctx: how processes
+        allowance: how long each phase may go without a beat (runtime.heartbeat.Allowance), and ctx: how processes
         start (a multiprocessing context; `spawn` unless given)."""
         self.ctx = ctx or mp.get_context("spawn")
         self.stop = StopFlag()

@@ -3,6 +3,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from envs.render import prompt_ids  # noqa: F401 (tasks.prompt_ids: how every process renders a question)
 from registry import Registry
 
 if TYPE_CHECKING:
@@ -59,14 +60,6 @@ def load_tokenizer(model_path: str, chat_template: dict | None = None):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.ringrl_chat_template = dict(chat_template or {})
     return tokenizer
-
-
-def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The question as a chat turn, ready for the assistant's reply (with the options `load_tokenizer` gave)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True,
-                                         **getattr(tokenizer, "ringrl_chat_template", {}))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def first_prompts(tokenizer, task: Task, examples: list[Example]) -> list[list[int]]:

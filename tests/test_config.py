@@ -1,4 +1,4 @@
-"""The config: one schema (launch/schema.py and each rule's and task's Config), presets that only change it, and
+"""The config: one schema (runtime/schema.py and each rule's and task's Config), presets that only change it, and
 one-line errors naming the key, checked here without starting a run (tests/test_train_e2e.py runs train.py)."""
 import dataclasses
 import inspect
@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import algos
 import tasks
 from launch.config import CONF_DIR, GROUPS, check_overrides, compose, options_of, parse
-from launch.schema import ClusterConfig, Config, RolloutConfig, TrainConfig
+from runtime.schema import ClusterConfig, Config, RolloutConfig, TrainConfig
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)]
 

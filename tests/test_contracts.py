@@ -15,12 +15,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import tasks
 from engines.base import Completion, Engine, EngineSpec, Request, SamplingParams, WeightPath
-from evaluate import EngineEvaluator, EvalChannel, EvalSpec, Evaluator, eval_slot
+from evaluate import EngineEvaluator, EvalChannel, Evaluator, eval_slot
 from launch.gpu import GPUPlan
 from launch.layout import plan_layout
 from launch.plan import CPUPlan, Plan, free_port
-from launch.schema import EvalConfig, RewardConfig
-from launch.shared import StopFlag
+from runtime.schema import EvalConfig, RewardConfig
+from runtime.setup import EvalSpec
+from runtime.shared import StopFlag
 from tests.gpu_fakes import FakeBackend, FakeSGLang, bytes_payloads
 from tests.test_trainer import _groups
 from trainer.batch import pack

@@ -1,9 +1,9 @@
-"""Where the cores go (launch/cores.py): the phase table, read across processes, the rule for a step alone, and
+"""Where the cores go (runtime/cores.py): the phase table, read across processes, the rule for a step alone, and
 a shared step following the workers layer by layer."""
 import torch
 import torch.multiprocessing as mp
 
-from launch.cores import ALONE, SHARED, WAITING, Cores, Threads, follow_workers, step_runs_alone
+from runtime.cores import ALONE, SHARED, WAITING, Cores, Threads, follow_workers, step_runs_alone
 
 
 def test_asynchronous_run_moves_cores_with_the_phase():
@@ -94,7 +94,7 @@ def test_follow_workers_sets_threads_before_each_layer_forward_and_backward(monk
 def test_threads_mean_is_weighted_by_time(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     clock = iter([0.0, 0.0, 1.0, 4.0])  # construction, mark, set at 1 s, mean at 4 s
-    monkeypatch.setattr("launch.cores.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("runtime.cores.time.perf_counter", lambda: next(clock))
     threads = Threads()
     threads.current = 2
     threads.mark()

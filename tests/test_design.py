@@ -35,7 +35,7 @@ def test_only_the_launcher_and_the_process_entries_take_the_whole_config():
     for path in _files():
         rel = os.path.relpath(path, ROOT)
         for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.ImportFrom) and node.module in ("launch.schema", "launch.config") and \
+            if isinstance(node, ast.ImportFrom) and node.module in ("runtime.schema", "launch.config") and \
                     any(alias.name == "Config" for alias in node.names):
                 found.add(rel)
     outside = {f for f in found if f not in allowed and not f.startswith("launch/")}

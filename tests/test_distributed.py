@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import algos
 from engines.buckets import engine_name
-from launch.schema import RolloutConfig, TrainConfig
+from runtime.schema import RolloutConfig, TrainConfig
 from tests.test_tied_groups import MIXED
 from tests.test_tied_groups import _groups as tied_groups
 from tests.test_trainer import _groups
@@ -93,8 +93,8 @@ def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
     import time
     import types
 
-    from launch.heartbeat import Allowance, Heartbeats
-    from launch.shared import StopFlag
+    from runtime.heartbeat import Allowance, Heartbeats
+    from runtime.shared import StopFlag
     from trainer.loop import Stopped, _Loop
     from trainer.policy import COLLECTIVE_TIMEOUT, CPUPlacement
 

@@ -13,8 +13,8 @@ from engines.base import Completion, SamplingParams
 from engines.builtin import BuiltinEngine
 from envs import Step
 from envs.episode import KEY_MASK, TURN_SHIFT, Turns
-from launch.schema import EnvConfig
 from rollout import to_group
+from runtime.schema import EnvConfig
 from tasks import Example, Task
 
 

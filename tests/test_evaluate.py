@@ -9,9 +9,10 @@ from transformers import AutoTokenizer
 
 import tasks
 from engines.base import Completion
-from evaluate import EvalChannel, EvalSpec, eval_metrics, eval_requests, eval_slot, evaluate
-from launch.schema import EvalConfig, RewardConfig
+from evaluate import EvalChannel, eval_metrics, eval_requests, eval_slot, evaluate
 from rewards.pool import RewardPool
+from runtime.schema import EvalConfig, RewardConfig
+from runtime.setup import EvalSpec
 
 SPEC = EvalSpec(EvalConfig(k=3, temperature=1.0), RewardConfig(workers=0), max_new_tokens=4, stop_ids=(2,), seed=0)
 K = SPEC.eval.k

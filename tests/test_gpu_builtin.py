@@ -126,7 +126,7 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
     from engines.builtin import BuiltinEngineSpec
     from engines.weight_sync import GPUWeights
     from launch.plan import free_port
-    from launch.shared import stop_when_dead
+    from runtime.shared import stop_when_dead
     from trainer.gpu_policy import GPUPlacement
     from trainer.policy import full_state
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from launch.layout import auto_plan, plan_layout
-from launch.schema import RolloutConfig
+from runtime.schema import RolloutConfig
 from tests.gpu_fakes import tiny_lm
 
 # ---- layout ----
@@ -96,7 +96,7 @@ def _meta_lm():
 def test_gpu_plan_places_engines_and_ranks():
     from engines.sglang import SGLangSpec
     from launch.gpu import gpu_plan
-    from launch.schema import ClusterConfig
+    from runtime.schema import ClusterConfig
 
     plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
                     RolloutConfig(dtype="bfloat16"), minibatch_groups=8, meta_model=_meta_lm(), num_gpus=8,
@@ -116,7 +116,7 @@ def test_gpu_plan_with_the_built_in_engine():
     the trainer rank each get a capped share of it."""
     from engines.builtin import BuiltinEngineSpec
     from launch.gpu import SHARED_GPU_HEADROOM, gpu_plan
-    from launch.schema import ClusterConfig
+    from runtime.schema import ClusterConfig
 
     plan = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32"), 8, _meta_lm(), num_gpus=4,
                     gpu_bytes=80 << 30, engine="builtin")
@@ -149,7 +149,7 @@ def test_gpu_plan_with_the_built_in_engine():
 ])
 def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
     from launch.gpu import gpu_plan
-    from launch.schema import ClusterConfig
+    from runtime.schema import ClusterConfig
 
     engine = cluster.pop("engine", "sglang")
     with pytest.raises(ValueError, match=message) as info:

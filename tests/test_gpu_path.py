@@ -208,9 +208,9 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
     interrupted and resumed -> the tokens sampled under the new version have the trainer's logprobs."""
     pytest.importorskip("sglang")
     from launch.gpu import GPUPlan
-    from launch.shared import StopFlag
     from models.loader import resolve
     from rollout import to_group
+    from runtime.shared import StopFlag
     from trainer.gpu_policy import load_lm
 
     model_path = resolve("smollm2-135m")

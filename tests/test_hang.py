@@ -1,4 +1,4 @@
-"""No silent hang: heartbeats (launch/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
+"""No silent hang: heartbeats (runtime/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
 what a run does with a stuck process; a full disk at a checkpoint and the out-of-memory killer's kill."""
 import errno
 import json
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from launch.heartbeat import PHASES, Allowance, Heartbeats
 from launch.supervisor import Supervisor
+from runtime.heartbeat import PHASES, Allowance, Heartbeats
 from tests.helpers import ROOT, TINY, alive, comm, descendants, die_with_parent, shm_files, train_cmd
 
 

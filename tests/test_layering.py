@@ -36,15 +36,18 @@ def _offending(sources: list[str], forbidden: tuple[str, ...]) -> list[str]:
 
 
 RULES = [  # (files, what they must not import)
-    ("trainer", ("rollout", "launch.supervisor", "launch.plan", "launch.gpu", "train") + CONCRETE_ENGINES),
-    ("rollout.py", ("trainer", "train") + CONCRETE_ENGINES),
-    ("evaluate.py", ("trainer", "rollout", "train") + CONCRETE_ENGINES),
+    # launch/ builds and starts the processes, runtime/ is what they share: the processes import runtime only
+    ("trainer", ("rollout", "launch", "train") + CONCRETE_ENGINES),
+    ("rollout.py", ("trainer", "launch", "train") + CONCRETE_ENGINES),
+    ("evaluate.py", ("trainer", "rollout", "launch", "train") + CONCRETE_ENGINES),
+    ("runtime", ("trainer", "rollout", "evaluate", "launch", "train", "tasks", "envs") + CONCRETE_ENGINES),
+    ("tasks", ("trainer", "rollout", "evaluate", "launch", "runtime", "train")),
     ("train.py", CONCRETE_ENGINES),
-    ("buffer", ("algos", "engines", "trainer", "rollout", "evaluate", "launch", "rewards")),
-    ("algos", ("buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
-    ("engines", ("algos", "buffer", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
-    ("rewards", ("engines", "trainer", "buffer", "rollout", "launch", "algos")),
-    ("envs", ("algos", "trainer", "rollout", "evaluate", "launch", "train") + CONCRETE_ENGINES),
+    ("buffer", ("algos", "engines", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards")),
+    ("algos", ("buffer", "engines", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
+    ("engines", ("algos", "buffer", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
+    ("rewards", ("engines", "trainer", "buffer", "rollout", "launch", "runtime", "algos")),
+    ("envs", ("algos", "trainer", "rollout", "evaluate", "launch", "runtime", "tasks", "train") + CONCRETE_ENGINES),
     ("registry.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
     ("heap.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
     ("launch", CONCRETE_ENGINES[:3] + ("engines.hf",)),  # engines are found by name (engines.ENGINES)

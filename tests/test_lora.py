@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import algos
-from launch.schema import LoraConfig, RolloutConfig, TrainConfig
+from runtime.schema import LoraConfig, RolloutConfig, TrainConfig
 from tests.test_trainer import _groups
 from trainer.batch import pack
 from trainer.learner import Learner

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import algos
 from buffer.ring import Group
-from launch.schema import RolloutConfig, TrainConfig
+from runtime.schema import RolloutConfig, TrainConfig
 from trainer.batch import pack
 from trainer.diagnostics import OffPolicyStats
 from trainer.learner import Learner
@@ -193,7 +193,7 @@ def test_a_second_epoch_clips_against_the_first_forward_and_adds_no_pass(tiny_mo
 
 
 def test_minibatches_must_divide_the_batch_and_the_ranks():
-    from launch.schema import ClusterConfig, Config
+    from runtime.schema import ClusterConfig, Config
 
     with pytest.raises(ValueError, match=r"config key 'train.minibatches' must divide train.batch_groups=8"):
         TrainConfig(batch_groups=8, minibatches=3).check()

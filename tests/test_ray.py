@@ -66,7 +66,7 @@ def test_the_join_command_fits_the_cluster_and_a_negative_wait_is_refused():
     """What the lost-node warnings tell a user to run: `ray start` for a real cluster, with the generator nodes'
     cores; scripts/ray_join.py for a simulated one (on the loopback, which `ray start` cannot join)."""
     from launch.ray_cluster import join_command
-    from launch.schema import RayConfig, RayNode
+    from runtime.schema import RayConfig, RayNode
 
     cfg = RayConfig(enabled=True, object_store_mb=128, nodes=[RayNode("trainer", 4, 0, 0, 1), RayNode(cores=2),
                                                               RayNode(cores=8, rollout_workers=2)])

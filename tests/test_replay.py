@@ -7,7 +7,7 @@ import torch
 
 from buffer.replay import ReplayBuffer
 from buffer.ring import Group
-from launch.schema import BufferConfig
+from runtime.schema import BufferConfig
 
 
 def _buffer(sampler: str = "fifo", seed: int = 0, **changes) -> ReplayBuffer:

@@ -31,7 +31,7 @@ def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(a / "checkpoints")) == ["step_4"]  # step_2 pruned, no step_5
     assert len({r["loss"] for r in _rows(a)}) > 1  # not trivially equal
-    # synchronous: every step has the cores to itself (launch/cores.py), so the count never moves
+    # synchronous: every step has the cores to itself (runtime/cores.py), so the count never moves
     assert {r["perf/train_threads"] for r in _rows(a)} == {len(os.sched_getaffinity(0))}
 
     first = run_train(c, f"model.path={tiny_model_dir}", "steps=2", *SYNC, *TINY)

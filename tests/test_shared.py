@@ -3,7 +3,7 @@ import pytest
 
 from buffer.ring import TrajectoryRing
 from buffer.staleness import StalenessGate
-from launch.shared import Finish, Shared, StopFlag, WorkerCounters
+from runtime.shared import Finish, Shared, StopFlag, WorkerCounters
 from tests.test_ring import MAX_NEW, MAX_PROMPT, K, make_group
 
 
@@ -93,7 +93,7 @@ def test_a_stop_flag_can_trip_when_a_process_ends():
     import multiprocessing as mp
     import time
 
-    from launch.shared import stop_when_dead
+    from runtime.shared import stop_when_dead
 
     child = mp.get_context("spawn").Process(target=_exit_soon)
     child.start()

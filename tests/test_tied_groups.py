@@ -5,7 +5,7 @@ import torch
 
 import algos
 from buffer.ring import Group
-from launch.schema import RolloutConfig, TrainConfig
+from runtime.schema import RolloutConfig, TrainConfig
 from tests.test_trainer import random_group
 from trainer.batch import pack
 from trainer.learner import Learner

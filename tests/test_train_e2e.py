@@ -28,7 +28,7 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
         assert all(k in row for k in KEYS), row
         assert all(isinstance(v, (int, float)) for v in row.values())
     assert "eval_pass@1" in rows[-1] and 0 <= rows[-1]["eval_pass@1"] <= 1  # evaluated at the end
-    assert all(1 <= r["perf/train_threads"] <= len(os.sched_getaffinity(0)) for r in rows)  # launch/cores.py
+    assert all(1 <= r["perf/train_threads"] <= len(os.sched_getaffinity(0)) for r in rows)  # runtime/cores.py
     assert all(0 < r["perf/learner_mfu"] < 1 for r in rows)  # trainer/peak.py: a fraction of the measured peak
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
     assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]  # no GPU

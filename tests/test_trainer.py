@@ -111,7 +111,7 @@ def test_the_token_budget_counts_each_pass_padded_to_its_longest_row():
 
 def test_the_default_budget_is_settled_by_device():
     """train.micro_tokens=-1 (the schema's default): 4096 on the CPU, 65536 on a GPU; a set value stays."""
-    from launch.schema import TrainConfig
+    from runtime.schema import TrainConfig
     from trainer.batch import pass_tokens
 
     assert TrainConfig().micro_tokens == -1
@@ -139,7 +139,7 @@ def test_every_rank_makes_the_same_number_of_passes():
 def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
     """The losses normalise by batch totals, so how the batch is cut into passes does not change the step."""
     import algos
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     batch = pack(_groups())
@@ -162,7 +162,7 @@ def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
 @pytest.mark.parametrize("max_bad_steps", [1, 2])
 def test_non_finite_steps_are_skipped_until_max_bad_steps_in_a_row(tiny_model_dir, max_bad_steps):
     import algos
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
@@ -183,7 +183,7 @@ def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
     """train.adam_beta2: its schema field and the AdamW line that reads it (the one-knob example of issue 29)."""
     import algos
     from launch.config import compose, parse
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
@@ -197,7 +197,7 @@ def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
 
 def test_train_share_prefix_reaches_the_policy_and_the_reference(tiny_model_dir):
     import algos
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     for share in (True, False):
@@ -212,7 +212,7 @@ def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir)
     """cluster.activation_checkpointing on the CPU plan: each decoder layer recomputed in the backward pass, the
     same update, and the weights published under their Hugging Face names."""
     import algos
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner, Rank
     from trainer.policy import CPUPlacement, full_state
 
@@ -254,7 +254,7 @@ def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass_and_afte
     evaluation) use those pages while the trainer waits."""
     import algos
     import trainer.learner
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
 
     calls = []
     monkeypatch.setattr(trainer.learner, "release_free_heap", lambda: calls.append("heap"))
@@ -274,7 +274,7 @@ def test_the_learner_hands_the_heap_s_free_pages_back_before_every_pass_and_afte
 def test_the_learner_settles_the_default_pass_budget_for_its_device(tiny_model_dir, monkeypatch):
     import algos
     import trainer.batch
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     learner = Learner(model_path=tiny_model_dir, train=TrainConfig(batch_groups=2, autocast="none"),
@@ -607,7 +607,7 @@ def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir
     backward records nothing below the first trained layer, and the rest trains."""
     import algos
     from launch.config import compose, parse
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     learner = Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
@@ -650,7 +650,7 @@ def test_resuming_with_other_frozen_weights_than_the_checkpoint_s_is_refused(tin
     """A checkpoint's AdamW state for a weight this run freezes would be dropped without a word (torch's
     set_optimizer_state_dict skips it): resume= from a run that trained its embeddings needs freeze_embeddings=false."""
     import algos
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
 
     def learner(frozen: bool) -> Learner:

@@ -150,7 +150,7 @@ def test_publisher_ships_every_bucket_to_every_engine():
 def test_publisher_stops_shipping_once_stop_is_set():
     """A run shutting down mid-publish: rank 0 still walks every weight (the other ranks' gathers must end)
     but sends nothing and waits for no engine."""
-    from launch.shared import StopFlag
+    from runtime.shared import StopFlag
 
     lm = tiny_lm(tied=False)
     channel, stop, walked = WeightChannel(1, multiprocessing.get_context("spawn")), StopFlag(), []

@@ -163,7 +163,7 @@ def hoist_prefix(input_ids, position_ids, segments, gather):
             SharedPrefix(common, keeper))
 
 
-PASS_TOKENS = {"cpu": 4096, "cuda": 65536}  # train.micro_tokens=-1, by device type (launch/schema.py)
+PASS_TOKENS = {"cpu": 4096, "cuda": 65536}  # train.micro_tokens=-1, by device type (runtime/schema.py)
 
 
 def pass_tokens(micro_tokens: int, device_type: str) -> int:

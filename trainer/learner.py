@@ -17,7 +17,7 @@ from trainer.lora import ADAPTER_DIR, Adapters, BasePolicy
 from trainer.policy import CPUPlacement, Placement, full_state, hold_frozen_in
 
 if TYPE_CHECKING:
-    from launch.schema import RolloutConfig, TrainConfig
+    from runtime.schema import RolloutConfig, TrainConfig
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -78,7 +78,7 @@ class Learner:
         self.skips_tied = train.skip_tied_groups and getattr(self.loss_fn, "tied_groups_learn_nothing", False)
         self.skipped = 0
         self.bad_in_row = 0
-        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (launch/heartbeat.py)
+        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (runtime/heartbeat.py)
 
     def _allocate_optimizer_state(self) -> None:
         """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5 of its

@@ -12,8 +12,8 @@ import algos
 from buffer.dynamic import DynamicSampling
 from buffer.replay import ReplayBuffer
 from buffer.staleness import too_old
-from launch.cores import Threads, follow_workers, step_runs_alone
-from launch.shared import EPISODE_COUNTERS, Shared
+from runtime.cores import Threads, follow_workers, step_runs_alone
+from runtime.shared import EPISODE_COUNTERS, Shared
 from trainer import row_metrics
 from trainer.batch import Batch, batch_for
 from trainer.checkpoint import save_checkpoint
@@ -26,8 +26,8 @@ from trainer.samples import SampleLog
 
 if TYPE_CHECKING:
     from evaluate import Evaluator
-    from launch.schema import Config
-    from launch.setup import RunSetup
+    from runtime.schema import Config
+    from runtime.setup import RunSetup
 
 
 
@@ -40,7 +40,7 @@ class TrainerArgs:
     """One trainer rank process's arguments: built by the launcher (train.py), picklable, passed whole."""
     rank: Rank  # this rank, the world size, the rendezvous port and where it runs (its Placement)
     workers: int  # the plan's rollout workers: group ids interleave them
-    cfg: "Config"  # the run's typed config (launch/schema.py)
+    cfg: "Config"  # the run's typed config (runtime/schema.py)
     setup: "RunSetup"  # what the launcher settled: the model's folder, the run folder, a resumed checkpoint, ...
     evaluator: "Evaluator"  # how rank 0 evaluates the version it just published (the plan's)
     shared: Shared
@@ -259,7 +259,7 @@ class _Loop:
             time.sleep(0.01)
 
     def _step_threads(self) -> int:
-        """Rank 0, the batch in hand: each rank's thread count for this step (launch/cores.py)."""
+        """Rank 0, the batch in hand: each rank's thread count for this step (runtime/cores.py)."""
         shared = self.shared
         if shared.cores is None:
             return torch.get_num_threads()

@@ -5,7 +5,7 @@ import torch
 
 from buffer.ring import FINISH_REASONS
 from buffer.staleness import lag
-from launch.shared import SANDBOX_KILLS, Shared
+from runtime.shared import SANDBOX_KILLS, Shared
 
 WORKER_COUNTERS = ("restarts", "lost_groups", "prompts_truncated", "prompts_skipped")  # logged as rollout/<name>
 

@@ -98,12 +98,12 @@ class ClusterConfig:
     rollout_workers: int = 1  # generation processes (CPU plan; on the GPU plan, one per SGLang engine)
     trainer_ranks: int = 1  # FSDP2 training processes (CPU plan; on the GPU plan, one per training GPU)
     # torch threads per process. 0 (auto): on the CPU plan the cores go to the side that is working, changed at
-    # step boundaries from the run's state (launch/cores.py); 1 on the GPU plan. N: every process N, always
+    # step boundaries from the run's state (runtime/cores.py); 1 on the GPU plan. N: every process N, always
     threads_per_process: int = 0
     max_restarts: int = 3  # a rollout worker that dies is restarted this many times before the run stops (CPU plan)
     hang_timeout_s: float = 300.0  # a process that makes no progress this long is stuck: named, dumped, killed
     slow_timeout_s: float = 1800.0  # the same in phases that are legitimately long: evaluation, a checkpoint,
-    # the first training step (it may compile); launch/heartbeat.py SLOW_PHASES
+    # the first training step (it may compile); runtime/heartbeat.py SLOW_PHASES
     start_timeout_s: float = 1800.0  # the same for a process's start-up (imports, loading its model)
     oversubscribe: bool = False  # allow more threads than cores (slower; for trying layouts on a small machine)
     # GPU plan only (conf/cluster/gpu8.yaml, gpu1.yaml; docs/gpu.md):

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from buffer.ring import TrajectoryRing
 from buffer.staleness import StalenessGate
-from launch.cores import Cores
-from launch.heartbeat import Heartbeats, NoHeart
+from runtime.cores import Cores
+from runtime.heartbeat import Heartbeats, NoHeart
 
 
 class StopFlag:
@@ -182,7 +182,7 @@ class Shared:
     nodes: NodeCounters | None = None  # cluster=ray: the generator nodes' counts (None: one machine)
 
     def heart(self, name: str):
-        """`name`'s heartbeat (launch/heartbeat.py), or one that goes nowhere when nobody watches."""
+        """`name`'s heartbeat (runtime/heartbeat.py), or one that goes nowhere when nobody watches."""
         return self.hearts.of(name) if self.hearts is not None else NoHeart()
 
     def rollouts_over(self) -> bool:
