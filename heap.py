@@ -29,7 +29,7 @@ def keep_freed_chunks(keep: bool, top: int = KEEP_TOP) -> None:
     chunks fault their pages in again, zeroed by the kernel: a default learner step's logits and their gradient are
     a few such chunks, 250-600 MB of faults a step. With `keep`, every chunk comes from the heap and up to KEEP_TOP
     of free space stays at its top: the default run's learner time 0.89x, its trainer about 100 MB larger
-    (docs/benchmarks.md, "Faster to a reward", session 16). Off again (glibc's settings at their usual steady
+    (7bc33a1, docs/benchmarks.md, "Faster to a reward"). Off again (glibc's settings at their usual steady
     values) for steps that hand the heap's free pages back anyway; a process that never keeps is left to glibc.
     `top`: more free space at the top stays resident (capped at TOP_MAX), for a process that frees more than KEEP_TOP
     at once and makes it again (an engine's blocked weights, engines/builtin.py)."""

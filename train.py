@@ -7,9 +7,11 @@
     python train.py resume=outputs/<date>/<time>  # continue a run from its latest checkpoint
     python train.py algo=tb task=gsm8k cluster=gpu8 model.path=Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs (docs/gpu.md)
     python plot.py multirun/<date>/<time>         # a sweep side by side: sweep.png and a table
+    python train.py --help [train.lr]             # every key (or those named): default, meaning, range
 
 Rollout workers generate while trainer ranks learn; trajectories cross through a shared-memory ring,
-weights come back after every optimizer step, and `max_staleness` bounds how old the data may be.
+weights come back once per batch (a batch is train.minibatches x train.epochs optimizer steps), and
+`max_staleness` bounds how old the data may be, in batches.
 Outputs go to the Hydra run directory: config.yaml, metrics.jsonl, samples.jsonl, curves.png,
 checkpoints/step_N/, summary.json.
 """
@@ -270,15 +272,15 @@ def _precision(cfg, plan: str):
 
 def _plan(name: str, cfg, model_path: str, model_config):
     """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
-    from engines.arch import engine_path
+    from engines import ENGINES
     from launch.plan import CPUPlan, compute_device, engine_kind
 
     engine, notice = engine_kind(cfg.rollout.engine, compute_device(name, cfg.cluster.device))
     if notice:
         NOTICES.append(notice)
-    if engine == "builtin":
-        path, architecture = engine_path(model_config)
-        NOTICES.append(f"engine: {'fast path' if path == 'fast' else 'fallback'} ({architecture})")
+    described = ENGINES.get(engine).SPEC.model_notice(model_config)  # a model it cannot run: one line, exit 2
+    if described:
+        NOTICES.append(described)
     if name == "cpu":
         return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts, engine,
                        cfg.cluster.activation_checkpointing)
@@ -357,6 +359,10 @@ if __name__ == "__main__":
     # background jobs (Python would otherwise keep the inherited "ignore").
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "--help" in sys.argv or "-h" in sys.argv:  # ours, not Hydra's: every key's default, meaning and range
+        from launch.help import main as print_help
+
+        sys.exit(print_help(sys.argv[1:]))
     resume = [a.partition("=")[2] for a in sys.argv[1:] if a.startswith("resume=")]
     if resume and resume[-1] and not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
         sys.argv.append(f"hydra.run.dir={resume[-1]}")  # a resumed run continues in its own directory

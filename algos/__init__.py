@@ -1,4 +1,4 @@
-"""Learning rules. One file per rule, each exposing `Config` (its knobs, from conf/algo/<name>.yaml) and `Loss`.
+"""Learning rules. One file per rule, each exposing `Config` (its knobs and their defaults) and `Loss`.
 
 A `Loss` is built from its Config and called on one `MicroBatch`; it returns `(loss, metrics)` where `loss`
 is this micro-batch's share of the whole batch's loss (the trainer sums the shares and backpropagates each).

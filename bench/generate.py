@@ -19,7 +19,7 @@ over the measured copy bandwidth, times the sequences a step decodes). The engin
 3), each run held to the higher of the matmul peaks, and of the copy bandwidths, read just before and just after it
 (each run's bandwidth is printed); the engine's fraction of
 the lower limit, `engine_at=`, and its tokens/s are those of the median run (the spread beside them); beside it the
-same run against a compute limit of the weights' FLOPs alone (the accounting before session 26). Ends with
+same run against a compute limit of the weights' FLOPs alone (the accounting before 87cfac8). Ends with
 `engine_vs_hf=<ratio>` and `engine_at_limit=<fraction>` (bf16; fp32 on a CPU without native
 bf16, where `--dtypes` defaults to fp32 alone). Where the engine's
 matmuls read oneDNN-blocked weights (bf16 with AVX-512, fp32 with AVX2 only: engines/llama.py `blocks_weights`), it

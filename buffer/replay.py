@@ -8,7 +8,7 @@ uniformly among those whose history holds at least K distinct completions, then 
 replacement with probability proportional to exp(inv_temp * reward). Either kind falls back to the other when
 it has nothing to give.
 
-One process, no shared memory: rank 0 drains the ring into `add`, then calls `sample` for each optimizer step.
+One process, no shared memory: rank 0 drains the ring into `add`, then calls `sample` for each batch.
 """
 import math
 import random
@@ -124,7 +124,7 @@ class ReplayBuffer:
         return len(self._fresh) >= n or (self.sampler == "tba" and bool(self._replayable))
 
     def sample(self, n: int, version: int) -> list[Group]:
-        """n groups for one optimizer step at policy `version` (used for the age stats only)."""
+        """n groups for one batch at policy `version` (used for the age stats only)."""
         if n < 1:
             raise ValueError(f"sample(n={n}) needs n >= 1")
         if not self.ready(n):

@@ -2,10 +2,11 @@
 far generation may run ahead of training (AReaL, eta = max_staleness). The learner, the replay buffer and the
 launcher's ring sizing ask this module rather than restating the rule.
 
-With B groups per training batch and policy version v (optimizer steps done), at most (eta + v + 1) * B
-groups may ever have been started. eta = 0 is synchronous RL: the batch for step v+1 can only be sampled
-by policy v. Started groups that will never reach the trainer are handed back with `cancel`, otherwise
-their budget would be lost for good and the workers could stall.
+With B groups per training batch and policy version v (batches trained on: the weights are published once a
+batch, however many optimizer steps train.epochs x train.minibatches make of it), at most (eta + v + 1) * B
+groups may ever have been started. eta = 0 is synchronous RL: the batch for step v+1 can only be sampled by
+policy v. Started groups that will never reach the trainer are handed back with `cancel`, otherwise their
+budget would be lost for good and the workers could stall.
 
 A worker may die at any moment (the launcher restarts it), so the gate holds nothing a dead process could
 keep: one lock around a check-and-increment of a few microseconds (`recover` frees it if its holder died
@@ -104,7 +105,7 @@ class StalenessGate:
             self._counts[STARTED] -= n
 
     def set_version(self, version: int) -> None:
-        """Called by the trainer (the only writer of the version) after each optimizer step."""
+        """Called by the trainer (the only writer of the version) once a batch's weights are published."""
         self._counts[VERSION] = version
 
     def recover(self) -> bool:

@@ -5,7 +5,7 @@ so that the rollout worker, the evaluation and the launcher depend on this file 
 
 - `Engine`: the built-in engine (`engines/builtin.py`) and the SGLang adapter (`engines/sglang.py`).
 - `EngineSpec`: how a rollout process builds its engine (`BuiltinEngineSpec`, `SGLangSpec`).
-- `WeightPath`: the trainer's weights to the engines after every step (`engines/weights.py` `WeightStore` in
+- `WeightPath`: the trainer's weights to the engines after every batch (`engines/weights.py` `WeightStore` in
   shared memory; `engines/weight_sync.py` `GPUWeights` in buckets over CUDA IPC or NCCL), through the engine's
   weight receipt (`weight_tensors`, `begin_weights`, `load_bucket`, `adopt_weights`), never its name.
 
@@ -86,6 +86,20 @@ def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...], vo
     return completion
 
 
+def run_to_completion(engine: "Engine", requests: list[Request]) -> list[Completion]:
+    """Every engine's `generate`: `requests` through add/step on an idle engine, completions in request order."""
+    if engine.num_running() or engine.num_waiting():
+        raise ValueError("generate() needs an idle engine; drive it with add()/step() when mixing requests")
+    if len({r.request_id for r in requests}) != len(requests):
+        raise ValueError("generate() got repeated request_ids; give every request its own id")
+    for request in requests:
+        engine.add(request)
+    done = {}
+    while engine.num_running() or engine.num_waiting():
+        done.update((c.request_id, c) for c in engine.step())
+    return [done[r.request_id] for r in requests]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Continuous batching: `add` requests, call `step` (admit, decode) and collect what finishes. Every token
@@ -98,7 +112,8 @@ class Engine(Protocol):
     def step(self) -> list[Completion]: ...
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Run `requests` to completion on an idle engine; completions in the order of the requests."""
+        """Run `requests` to completion on an idle engine; completions in the order of the requests (every
+        engine's is `run_to_completion`)."""
         ...
 
     def set_version(self, version: int) -> None: ...
@@ -141,7 +156,31 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineSpec(Protocol):
-    """How a rollout process builds its engine: picklable, so it crosses the spawn; the engine itself does not."""
+    """How a rollout process builds its engine: picklable, so it crosses the spawn; the engine itself does not.
+    What the kind of engine can do is said here, as class attributes, so a plan asks its spec and never its name."""
+    plans: tuple[str, ...]  # the device plans it runs on: cpu, gpu
+    requires: str | None  # the package it needs beyond PyTorch (None: none), and how to install it
+    install: str
+    preference: int  # rollout.engine=auto takes the highest installed one a plan can run
+    tensor_parallel: bool  # one engine over several GPUs (cluster.tp_size > 1)
+    nccl_weights: bool  # takes weights by an NCCL broadcast from trainer rank 0 (cluster.weight_sync=nccl)
+    stop_strings: bool  # stops on text itself; else its completions are cut after the text (cut_at_stop_string)
+
+    @classmethod
+    def on_cpu(cls, max_batch: int, max_len: int, dtype: str) -> "EngineSpec":
+        """Where the CPU plan puts its engines (launch/plan.py)."""
+        ...
+
+    @classmethod
+    def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "EngineSpec":
+        """Where the GPU plan puts worker `worker`'s engine (launch/gpu.py `GPUPlan`: its layout and settings)."""
+        ...
+
+    @staticmethod
+    def model_notice(model_config) -> str | None:
+        """The one line the launcher prints about how this engine will run this model (None: nothing to say);
+        a ValueError, one line, for a model it cannot run."""
+        ...
 
     def open(self, weights_path: str, seed: int) -> AbstractContextManager[Engine]:
         """The engine with these weights; closing the context frees it (and any process it started)."""
@@ -155,8 +194,9 @@ class EngineSpec(Protocol):
 
 @runtime_checkable
 class WeightPath(Protocol):
-    """From the trainer ranks to every engine, once per optimizer step. Built by the launcher before the first
-    spawn and handed to every process; a trainer rank takes the publisher end, a rollout worker the follower."""
+    """From the trainer ranks to every engine, once per published batch (a policy version). Built by the launcher
+    before the first spawn and handed to every process; a trainer rank takes the publisher end, a rollout worker
+    the follower."""
 
     def publisher(self, policy, lead: bool, stop) -> Callable[[Iterable, int], None]:
         """`publish(named_tensors, version)`: every rank calls it with the full weights (gathering them is a

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.arch import forward_for
-from engines.base import Completion, Request, check_request, completes_stop_string
+from engines.base import Completion, Request, check_request, completes_stop_string, run_to_completion
 from engines.buckets import unpack
 from engines.llama import Llama
 from engines.sampler import Passes, counter_uniform, sample
@@ -77,7 +77,7 @@ class BuiltinEngine:
     FIRST_WIDTH = 64
     GROWTH = 32
 
-    def __init__(self, model, max_batch: int = 64, max_len: int = 256, seed: int = 0,
+    def __init__(self, model, max_batch: int, max_len: int, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False,
                  static: bool = False, cuda_graphs: bool = False):
         """static: decode with engines/static_decode.py's step (the GPU plan's; the fast path only): fixed shapes,
@@ -201,16 +201,7 @@ class BuiltinEngine:
             self.k_cache, self.v_cache = self.model.grow_cache(self.k_cache, self.v_cache, width)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        if self.running or self.waiting:
-            raise ValueError("generate() needs an idle engine; drive it with add()/step() when mixing requests")
-        if len({r.request_id for r in requests}) != len(requests):
-            raise ValueError("generate() got repeated request_ids; give every request its own id")
-        for request in requests:
-            self.add(request)
-        done = {}
-        while self.running or self.waiting:
-            done.update((c.request_id, c) for c in self.step())
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and cache every prompt token but the last one.
@@ -385,6 +376,14 @@ class BuiltinEngineSpec:
     static: bool = False  # the GPU plan's decode step (engines/static_decode.py); the CPU plan's decodes its rows
     cuda_graphs: bool = False  # rollout.cuda_graphs: that step as CUDA graphs, where the device is a GPU
 
+    # What it can do (engines/base.py EngineSpec); class attributes, not fields
+    plans = ("cpu", "gpu")
+    requires, install = None, ""
+    preference = 0
+    tensor_parallel = False  # one GPU per engine
+    nccl_weights = False  # weights over CUDA IPC (or shared memory on the CPU)
+    stop_strings = True
+
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str) -> "BuiltinEngineSpec":
         return cls(max_batch, max_len, dtype, "cpu")
@@ -396,6 +395,13 @@ class BuiltinEngineSpec:
         share = layout.mem_fraction_static if layout.time_shared and plan.device_type == "cuda" else 0.0
         return cls(max_batch, max_len, dtype, plan.engine_device(worker), memory_fraction=share, static=True,
                    cuda_graphs=plan.cuda_graphs)
+
+    @staticmethod
+    def model_notice(model_config) -> str:
+        from engines.arch import engine_path
+
+        path, architecture = engine_path(model_config)
+        return f"engine: {'fast path' if path == 'fast' else 'fallback'} ({architecture})"
 
     @staticmethod
     def bucket_payloads(flat: torch.Tensor, slots: list, tp_size: int) -> list[torch.Tensor]:
@@ -422,7 +428,7 @@ class BuiltinEngineSpec:
             # Such an engine frees its blocked weights every version and makes them again at once (engines/llama.py),
             # and its decode steps' logits every step: chunks that glibc would unmap or trim, and the next ones fault
             # their pages in again (about 70 of the 120 ms of blocking SmolLM2's weights). Kept resident instead:
-            # the default run's wait for its batch about 0.9x (docs/benchmarks.md, session 21).
+            # the default run's wait for its batch about 0.9x (463deef, docs/benchmarks.md).
             keep_freed_chunks(True, top=KEEP_TOP + sum(t.nbytes for t in engine.weight_tensors().values()))
         yield engine
 

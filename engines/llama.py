@@ -109,7 +109,7 @@ def two_matmul_attention(visible: torch.Tensor, head_dim: int):
     is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x faster
     where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first; `decode` picks
     the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax; the
-    engine-trainer mismatch did not move (docs/benchmarks.md, session 18)."""
+    engine-trainer mismatch did not move (e6863a0, docs/benchmarks.md)."""
     bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
     scale = head_dim ** -0.5
 

@@ -1,6 +1,7 @@
 """The GPU generation engine: SGLang's offline `Engine` behind engines.base.Engine, with interruptible generation.
 
-    engine = SGLangEngine(model_path, tp_size=1, base_gpu_id=0, mem_fraction_static=0.85)
+    with SGLangSpec(tp_size=1, base_gpu_id=0, mem_fraction_static=0.85, max_batch=64, dtype="bfloat16").open(
+            model_path, seed=0) as engine:
     engine.add(Request(0, prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=256)))
     finished = engine.step()               # Completions, as from any engines.base.Engine
     begin_weights(); load_bucket(m)...; adopt_weights(v)   # a new version, through engines/weight_sync.py
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engines.base import Completion, Request, SamplingParams, check_request, cut_at_stop_string
+from engines.base import Completion, Request, SamplingParams, check_request, cut_at_stop_string, run_to_completion
 
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
@@ -63,10 +64,9 @@ class Partial:
 
 
 class SGLangEngine:
-    def __init__(self, model_path: str = "", tp_size: int = 1, base_gpu_id: int = 0,
-                 mem_fraction_static: float = 0.85, seed: int = 0, max_batch: int = 256, dtype: str = "bfloat16",
-                 backend=None, poll_s: float = 0.005):
-        self.backend = backend or SGLangBackend(model_path, tp_size, base_gpu_id, mem_fraction_static, seed, dtype)
+    def __init__(self, backend, max_batch: int, poll_s: float = 0.005):
+        """backend: SGLangBackend (SGLangSpec.open builds it), or the tests' fake; max_batch: requests in flight."""
+        self.backend = backend
         self.max_batch, self.poll_s = max_batch, poll_s
         self.version = 0
         self.vocabulary: list[str] = []  # token id -> text, for stop strings (use_vocabulary)
@@ -96,14 +96,7 @@ class SGLangEngine:
         return self._collect(self.poll_s) if self.running else []
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        if self.running or self.waiting:
-            raise ValueError("generate() needs an idle engine; drive it with add()/step() when mixing requests")
-        for request in requests:
-            self.add(request)
-        done = {}
-        while self.running or self.waiting:
-            done.update((c.request_id, c) for c in self.step())
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     # The weight receipt (engines/base.py): a new version interrupts the requests in flight.
 
@@ -182,6 +175,14 @@ class SGLangSpec:
     # Builds the backend from SGLangBackend's arguments; None: SGLang itself. The CPU tests pass a fake.
     backend: Callable | None = None
 
+    # What it can do (engines/base.py EngineSpec); class attributes, not fields
+    plans = ("gpu",)
+    requires, install = "sglang", "pip install -r requirements-gpu.txt (docs/gpu.md)"
+    preference = 1  # the faster engine, where it is installed
+    tensor_parallel = True
+    nccl_weights = True
+    stop_strings = False  # completions are cut after the stop string (engines/base.py cut_at_stop_string)
+
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str):
         raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin here")
@@ -194,6 +195,10 @@ class SGLangSpec:
                    plan.engine_backend)
 
     @staticmethod
+    def model_notice(model_config) -> None:
+        return None  # SGLang says itself which models it runs
+
+    @staticmethod
     def bucket_payloads(flat, slots: list, tp_size: int) -> list[bytes]:
         """How a weight bucket travels to an SGLang engine: CUDA IPC handles, one payload per TP rank."""
         return ipc_payloads(flat, slots, tp_size)
@@ -201,8 +206,8 @@ class SGLangSpec:
     @contextmanager
     def open(self, weights_path: str, seed: int):
         make = self.backend or SGLangBackend
-        engine = SGLangEngine(max_batch=self.max_batch, backend=make(
-            weights_path, self.tp_size, self.base_gpu_id, self.mem_fraction_static, seed, self.dtype))
+        engine = SGLangEngine(make(weights_path, self.tp_size, self.base_gpu_id, self.mem_fraction_static, seed,
+                                   self.dtype), self.max_batch)
         try:
             yield engine
         finally:

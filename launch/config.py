@@ -107,7 +107,7 @@ def check_overrides(args: list[str]) -> None:
         except OverrideParseException as e:
             raise ValueError(f"cannot parse {a!r} ({str(e).splitlines()[0]}): quote a value holding '=' or ',' "
                              "(key='a=b'; https://hydra.cc/docs/advanced/override_grammar/basic)") from None
-    choices = {group: [option] for group, option in _default_choices().items()}
+    choices = {group: [option] for group, option in default_choices().items()}
     for o in parsed:
         if o.key_or_group in GROUPS:
             options = [str(v) for v in _values(o)]
@@ -118,7 +118,7 @@ def check_overrides(args: list[str]) -> None:
     keys = [o for o in parsed if o.key_or_group not in GROUPS]
     for algo in choices["algo"]:
         for task in choices["task"]:
-            typed = _schema(_preset_name("algo", algo), _preset_name("task", task))
+            typed = _schema(preset_name("algo", algo), preset_name("task", task))
             for o in keys:
                 for value in _values(o):
                     try:
@@ -143,7 +143,8 @@ def _has_preset(group: str, option: str) -> bool:
     return os.path.exists(os.path.join(CONF_DIR, group, f"{option}.yaml"))
 
 
-def _default_choices() -> dict:
+def default_choices() -> dict:
+    """The default run's option of each group (conf/config.yaml's defaults list), in that list's order."""
     choices = {}
     for item in OmegaConf.load(os.path.join(CONF_DIR, "config.yaml")).defaults:
         if OmegaConf.is_dict(item):
@@ -151,7 +152,7 @@ def _default_choices() -> dict:
     return choices
 
 
-def _preset_name(group: str, option: str) -> str:
+def preset_name(group: str, option: str) -> str:
     """The rule or task a preset of `group` selects: the option of the schema it pulls in (defaults list); a
     part without a preset is its own."""
     if not _has_preset(group, option):

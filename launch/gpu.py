@@ -1,6 +1,6 @@
 """The GPU plan: generation engines (SGLang, or the built-in engine on CUDA) and FSDP2/NCCL trainer ranks where
-launch/layout.py puts them, weights from trainer rank 0 to every engine after each optimizer step (CUDA IPC, or
-NCCL for SGLang). docs/gpu.md tells the whole story.
+launch/layout.py puts them, weights from trainer rank 0 to every engine after each batch (CUDA IPC, or NCCL for
+SGLang). docs/gpu.md tells the whole story.
 
     plan = gpu_plan(cfg.cluster, cfg.rollout, cfg.train.batch_groups // cfg.train.minibatches, meta_model,
                     torch.cuda.device_count(), gpu_bytes, engine="builtin")
@@ -22,21 +22,25 @@ def gpu_plan(cluster, rollout, minibatch_groups: int, meta_model, num_gpus: int,
              engine: str) -> "GPUPlan":
     """The layout for these GPUs and this model; a one-line ValueError for what cannot work. `rollout`: the
     config's rollout section (its dtype is the engines'); `minibatch_groups`: the groups of one optimizer step
-    (train.batch_groups / train.minibatches); `engine`: builtin or sglang (launch.plan.engine_kind)."""
+    (train.batch_groups / train.minibatches); `engine`: a name of engines.ENGINES (launch.plan.engine_kind)."""
+    from engines import ENGINES
+
     model_bytes = 2 * sum(p.numel() for p in meta_model.parameters())  # bf16, as the engines hold it
     kv_heads = getattr(meta_model.config, "num_key_value_heads", None) or 0
-    tp_size = cluster.tp_size if engine == "sglang" else 1
-    if engine == "builtin" and cluster.tp_size > 1:
-        raise ValueError(f"cluster.tp_size={cluster.tp_size}: the built-in engine runs on one GPU; use "
-                         "rollout.engine=sglang for tensor parallelism")
+    spec = ENGINES.get(engine).SPEC  # what this engine can do
+    able = lambda capability: ", ".join(n for n in ENGINES.names() if getattr(ENGINES.get(n).SPEC, capability))  # noqa
+    tp_size = cluster.tp_size if spec.tensor_parallel else 1
+    if cluster.tp_size > 1 and not spec.tensor_parallel:
+        raise ValueError(f"cluster.tp_size={cluster.tp_size}: the {engine} engine runs on one GPU; use "
+                         f"rollout.engine={able('tensor_parallel')} for tensor parallelism")
     layout = plan_layout(num_gpus, cluster.gen_gpus, cluster.train_gpus, tp_size,
                          cluster.mem_fraction_static, model_bytes, gpu_bytes, kv_heads)
     if cluster.weight_sync == "nccl" and layout.time_shared:
         raise ValueError("cluster.weight_sync=nccl needs the engine and trainer rank 0 on different GPUs (NCCL "
                          "refuses two ranks on one GPU); use cluster.weight_sync=ipc on one GPU")
-    if cluster.weight_sync == "nccl" and engine == "builtin":
-        raise ValueError("cluster.weight_sync=nccl needs rollout.engine=sglang; the built-in engine loads its "
-                         "weights over CUDA IPC (cluster.weight_sync=ipc)")
+    if cluster.weight_sync == "nccl" and not spec.nccl_weights:
+        raise ValueError(f"cluster.weight_sync=nccl needs rollout.engine={able('nccl_weights')}; the {engine} engine "
+                         "loads its weights over CUDA IPC (cluster.weight_sync=ipc)")
     if minibatch_groups % layout.num_trainer_ranks:
         raise ValueError(f"config key 'train.batch_groups' (per minibatch, if train.minibatches > 1) must be "
                          f"divisible by the layout's {layout.num_trainer_ranks} trainer ranks (got {minibatch_groups})")
@@ -58,7 +62,7 @@ class GPUPlan:
     weight_sync: str  # cluster.weight_sync: ipc | nccl
     bucket_mb: int  # cluster.bucket_mb: the weight-sync bucket on trainer rank 0's GPU
     checkpointing: bool  # cluster.activation_checkpointing, in the trainer ranks
-    engine_kind: str  # rollout.engine, settled: sglang | builtin (engines/builtin.py on the engine's GPU)
+    engine_kind: str  # rollout.engine, settled: a name of engines.ENGINES (launch.plan.engine_kind)
     engine_dtype: str  # rollout.dtype, settled: the engines' weights, as the trainer ships them
     device_type: str  # cluster.device: cuda, or cpu (trainer ranks on gloo, engines on the CPU)
     cuda_graphs: bool = True  # rollout.cuda_graphs: the built-in engine's decode step as CUDA graphs

@@ -52,23 +52,36 @@ def resolve_precision(rollout_dtype: str, autocast: str, plan: str) -> tuple[str
     return dtype, mixed, notice
 
 
+PLAN_NAMES = {"cpu": "the CPU plan", "gpu": "the GPU plan (CUDA GPUs)"}
+
+
 def engine_kind(choice: str, plan: str) -> tuple[str, str | None]:
-    """`builtin` or `sglang` for `rollout.engine=choice` on this plan, and a one-line notice when auto had to
-    settle for the built-in engine. SGLang runs only on the GPU plan, and only where it is installed."""
-    installed = importlib.util.find_spec("sglang") is not None
-    if choice == "sglang" and plan != "gpu":
-        raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin here")
-    if choice == "sglang" and not installed:
-        raise ValueError("rollout.engine=sglang: sglang is not installed; pip install -r requirements-gpu.txt "
-                         "(docs/gpu.md), or use rollout.engine=builtin")
-    if choice != "auto":
-        return choice, None
-    if plan != "gpu":
-        return "builtin", None
-    if installed:
-        return "sglang", None
-    return "builtin", ("notice: sglang is not installed, so the GPU plan generates with the built-in engine "
-                       "(slower; pip install -r requirements-gpu.txt for SGLang)")
+    """The engine (a name of engines.ENGINES) for `rollout.engine=choice` on this plan, and a one-line notice when
+    auto had to settle for a slower one. Decided from what each engine's spec says it can do: the plans it runs
+    on, the package it needs, its preference (engines/base.py EngineSpec), never from its name."""
+    from engines import ENGINES
+
+    specs = {name: ENGINES.get(name).SPEC for name in ENGINES.names()}
+    runnable = sorted((n for n, s in specs.items() if plan in s.plans), key=lambda n: -specs[n].preference)
+
+    def installed(name: str) -> bool:
+        return specs[name].requires is None or importlib.util.find_spec(specs[name].requires) is not None
+
+    if choice == "auto":
+        chosen = next(n for n in runnable if installed(n))
+        best = specs[runnable[0]]
+        notice = None if chosen == runnable[0] else (
+            f"notice: {best.requires} is not installed, so {PLAN_NAMES[plan].split(' (')[0]} generates with the "
+            f"{chosen} engine (slower; {best.install} for {runnable[0]})")
+        return chosen, notice
+    spec = specs[choice]  # the schema has refused names that are not engines
+    if plan not in spec.plans:
+        instead = f"; use rollout.engine={runnable[0]} here" if runnable else ""
+        raise ValueError(f"rollout.engine={choice} needs {' or '.join(PLAN_NAMES[p] for p in spec.plans)}{instead}")
+    if not installed(choice):
+        raise ValueError(f"rollout.engine={choice}: {spec.requires} is not installed; {spec.install}, or use "
+                         f"rollout.engine={next(n for n in runnable if installed(n))}")
+    return choice, None
 
 
 @runtime_checkable

@@ -148,7 +148,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling threshold
     # completion budget per sample. The default task's answer, "7 + 8 = 15" and its end of turn, is 9 of SmolLM2's
-    # tokens; 12 leave room for it and cut the chatter sooner than 16 (docs/benchmarks.md, session 17). A task's
+    # tokens; 12 leave room for it and cut the chatter sooner than 16 (4d745e2, docs/benchmarks.md). A task's
     # preset sets its own: gsm8k 512
     max_new_tokens: int = 12
     # sequences decoded together per rollout worker (engine slots), at most: never more than the staleness bound
@@ -205,7 +205,8 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    batch_groups: int = 4  # B: prompts (groups of K) per optimizer step (4: fastest to reward, bench/time_to_reward.py)
+    # B: prompts (groups of K) per batch, one policy version (4: fastest to reward, bench/time_to_reward.py)
+    batch_groups: int = 4
     # M: optimizer steps per batch, each on B / M of its groups; the weights are published, and the policy
     # version advances, once per batch (so max_staleness still counts batches). At 1, ppo's and grpo's ratio is
     # exactly 1 on fresh data and their clip never acts (no trust region); 1 is the fastest to reward here
@@ -214,12 +215,12 @@ class TrainConfig:
     # weights before the first (pi_prox), so the clip bites from the second on; still one publish and one version
     epochs: int = 1
     micro_groups: int = 8  # groups per forward/backward pass, at most (memory vs speed)
-    # padded tokens per pass, at most: long completions go a few groups at a time. -1: 4096 on the CPU, 65536 on
-    # a GPU (3x the learner's tokens/s of 4096 at Qwen2.5-0.5B and 2.3x at 1.5B on an H200, no more memory:
-    # docs/gpu.md); 0: no bound
+    # padded tokens per pass, at most: long completions go a few groups at a time. -1: by device (trainer/batch.py
+    # PASS_TOKENS: a GPU's several times the CPU's, for the learner's tokens/s at no more memory, docs/gpu.md);
+    # 0: no bound
     micro_tokens: int = -1
     # AdamW learning rate; 2.5e-5 crosses 0.8 in a median of 7 steps over 10 seeds of the default run, 2e-5 in 7.5
-    # (docs/benchmarks.md, "Faster to a reward", session 19)
+    # (b668b66, docs/benchmarks.md, "Faster to a reward")
     lr: float = 2.5e-5
     warmup_steps: int = 0  # the learning rate rises linearly from lr / (N + 1) to lr over the first N steps (0: off)
     decay_steps: int = 0  # then falls linearly from lr to min_lr over the next N steps and stays there (0: off)
@@ -231,7 +232,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm
     # each minibatch's loss gets - coef x the policy's token-mean entropy on its completion tokens (verl's
     # entropy_coeff): > 0 an entropy bonus, < 0 entropy minimisation, which the default task's preset sets
-    # (conf/task/arithmetic.yaml: 6 steps to 0.8 against 8, docs/benchmarks.md, "Faster to a reward", session 29)
+    # (conf/task/arithmetic.yaml: 6 steps to 0.8 against 8, f5dcf5d, docs/benchmarks.md)
     entropy_coef: float = 0.0
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient (each skipped) before the run stops
     # auto | bfloat16 | none: mixed precision of the forward/backward on the CPU (weights stay fp32). auto: as
@@ -376,7 +377,7 @@ class CheckpointConfig:
 
 @dataclass
 class Config:
-    steps: int = 30  # optimizer steps to run
+    steps: int = 30  # batches to train, each one policy version and one metrics row
     seed: int = 0  # fixes data order, sampling and initialisation
     # eta: how many versions older than the learner the data may be (0 = synchronous). 0: on shared CPU cores the
     # fastest to reward (bench/time_to_reward.py); asynchrony pays where generation and training do not share them

@@ -1,15 +1,10 @@
 """Engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both alike:
-prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, session 12), CPU decode attention as
-two matmuls (`Llama.split_attention`: fp32 in session 12, bf16 in session 18) and a CPU cache that grows with the
-longest sequence (`BuiltinEngine.FIRST_WIDTH`, session 18). Off: no copies, the fused kernel, the cache max_len
+prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, ec7ed9a), CPU decode attention as
+two matmuls (`Llama.split_attention`: fp32 at ec7ed9a, bf16 at e6863a0) and a CPU cache that grows with the
+longest sequence (`BuiltinEngine.FIRST_WIDTH`, aa0ffcb). Off: no copies, the fused kernel, the cache max_len
 wide from the start. `--only attention` or `--only growth` switches that one alone (the others stay on); `--only
-widen` compares the cache widened in place GROWTH positions at a time (session 25, on) with session 18's, which
+widen` compares the cache widened in place GROWTH positions at a time (64cb786, on) with aa0ffcb's, which
 doubled into a fresh buffer (off, kept here as `doubling`).
-
-    PYTHONPATH=. python scripts/engine_ab.py [--pairs 3] [--new-tokens 16] [--requests 256] [--dtype fp32]
-    PYTHONPATH=. python scripts/engine_ab.py --pairs 2 --new-tokens 256 --requests 64 --ignore-eos
-
-Prints tok/s of each run and the median of on/off; bench.generate's requests (8 samples a prompt), 64 slots.
 """
 import argparse
 import statistics

@@ -40,7 +40,7 @@ def _cpu_engine(model_dir):
 def _sglang_engine(model_dir):
     from engines.sglang import SGLangEngine
 
-    return SGLangEngine(max_batch=8, backend=FakeBackend(chunk=64))  # chunk >= budget: requests finish
+    return SGLangEngine(FakeBackend(chunk=64), max_batch=8)  # chunk >= budget: requests finish
 
 
 ENGINES = {"cpu": _cpu_engine, "sglang": _sglang_engine}
@@ -137,7 +137,7 @@ def _gpu_weights(model_dir):
     from engines.sglang import SGLangEngine
     from engines.weight_sync import GPUWeights
 
-    engine = SGLangEngine(backend=FakeBackend())
+    engine = SGLangEngine(FakeBackend(), max_batch=256)
     path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bytes_payloads, "ipc", 1 << 16, torch.bfloat16)
 
     def loaded():
@@ -413,3 +413,32 @@ def test_plan_contract(plan, tiny_model_dir):
             piece.close()
         elif hasattr(getattr(piece, "channel", None), "close"):
             piece.channel.close()
+
+
+def test_every_engine_s_spec_says_what_it_can_do():
+    """The plans ask these (launch/plan.py engine_kind, launch/gpu.py gpu_plan), never an engine's name."""
+    from engines import ENGINES
+    from engines.base import EngineSpec
+
+    for name in ENGINES.names():
+        spec = ENGINES.get(name).SPEC
+        assert isinstance(spec, EngineSpec), name
+        assert set(spec.plans) <= {"cpu", "gpu"} and spec.plans, name
+        assert all(isinstance(getattr(spec, flag), bool) for flag in ("tensor_parallel", "nccl_weights",
+                                                                         "stop_strings")), name
+        assert (spec.requires is None) == (spec.install == ""), name
+
+
+def test_auto_takes_the_preferred_engine_a_plan_can_run_and_says_when_it_settles(monkeypatch):
+    from engines.builtin import BuiltinEngineSpec
+    from launch import plan
+
+    monkeypatch.setattr(BuiltinEngineSpec, "preference", 2)  # now preferred over SGLang everywhere
+    assert plan.engine_kind("auto", "gpu") == ("builtin", None)
+    monkeypatch.setattr(BuiltinEngineSpec, "preference", 0)
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: None)
+    kind, notice = plan.engine_kind("auto", "gpu")
+    assert kind == "builtin" and "sglang is not installed" in notice
+    monkeypatch.setattr(BuiltinEngineSpec, "plans", ("gpu",))
+    with pytest.raises(ValueError, match=r"rollout.engine=builtin needs the GPU plan"):
+        plan.engine_kind("builtin", "cpu")

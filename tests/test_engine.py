@@ -320,7 +320,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused():
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
     with pytest.raises(ValueError, match="not a causal LM"):
-        BuiltinEngine(t5)
+        BuiltinEngine(t5, max_batch=1, max_len=16)
 
 
 def test_counter_uniform_is_a_fixed_uniform_stream():

@@ -144,7 +144,7 @@ def test_gpu_plan_with_the_built_in_engine():
     (8, dict(gen_gpus=5), 8, r"'train.batch_groups' \(per minibatch, if train.minibatches > 1\) must be divisible "
                              "by the layout's 3 trainer ranks"),
     (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
-    (8, dict(tp_size=2, engine="builtin"), 8, "the built-in engine runs on one GPU; use rollout.engine=sglang"),
+    (8, dict(tp_size=2, engine="builtin"), 8, "the builtin engine runs on one GPU; use rollout.engine=sglang"),
     (8, dict(weight_sync="nccl", engine="builtin"), 8, "cluster.weight_sync=nccl needs rollout.engine=sglang"),
 ])
 def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):

@@ -88,3 +88,17 @@ def test_the_code_passes_the_linter():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", ROOT],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
+
+
+def test_the_launcher_asks_an_engine_s_spec_and_never_names_one():
+    """launch/ and train.py decide by what an engine's spec says it can do (engines/base.py EngineSpec): no string
+    in their code is an engine's name."""
+    from engines import ENGINES
+
+    names = set(ENGINES.names())
+    assert names == {"builtin", "sglang"}  # the engines, not their helper modules
+    found = [f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.value!r}"
+             for path in _sources("launch") + _sources("train.py")
+             for node in ast.walk(ast.parse(open(path).read(), path))
+             if isinstance(node, ast.Constant) and node.value in names]
+    assert found == []

@@ -1,7 +1,6 @@
 """GSPO and CISPO against references written here with plain Python loops from the papers' equations."""
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
@@ -236,5 +235,4 @@ def test_registry_preset_and_defaults(name, defaults):
     assert all(getattr(module.Config(), k) == v for k, v in defaults.items())
     loss_fn = module.Loss(module.Config())
     assert loss_fn.needs_reference is False and loss_fn.needs_proximal is False
-    assert os.path.exists(os.path.join(os.path.dirname(algos.__file__), "..", "conf", "algo", f"{name}.yaml"))
-    assert parse(compose([f"algo={name}"])).algo == module.Config()
+    assert parse(compose([f"algo={name}"])).algo == module.Config()  # no preset: the registry selects it

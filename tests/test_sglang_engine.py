@@ -37,11 +37,11 @@ def test_partial_merge_and_resume_input():
 
 def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
     prompt, budget = [5, 6, 7], 10
-    reference = SGLangEngine(backend=FakeBackend(chunk=100))
+    reference = SGLangEngine(FakeBackend(chunk=100), max_batch=256)
     expected = reference.generate([Request(0, prompt, SamplingParams(max_new_tokens=budget))])[0]
 
     fake = FakeBackend(chunk=4)
-    engine = SGLangEngine(backend=fake, max_batch=8, poll_s=0.001)
+    engine = SGLangEngine(fake, max_batch=8, poll_s=0.001)
     engine.add(Request(0, prompt, SamplingParams(max_new_tokens=budget)))
     engine.add(Request(1, [9], SamplingParams(max_new_tokens=3)))  # fits in one chunk: finishes before the update
     short = _run_until(engine, lambda d: len(d) == 1)
@@ -75,12 +75,12 @@ def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
 
 def test_stop_token_ends_a_request_across_an_interruption():
     prompt = [4, 4]
-    whole = SGLangEngine(backend=FakeBackend(chunk=100))
+    whole = SGLangEngine(FakeBackend(chunk=100), max_batch=256)
     full = whole.generate([Request(0, prompt, SamplingParams(max_new_tokens=12))])[0]
     stop = full.token_ids[5]
     first = full.token_ids.index(stop)
     assert 3 <= first <= 5  # in the second chunk of three
-    engine = SGLangEngine(backend=FakeBackend(chunk=3), poll_s=0.001)
+    engine = SGLangEngine(FakeBackend(chunk=3), max_batch=256, poll_s=0.001)
     engine.add(Request(0, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))))
     finished = []
     for version in (1, 2):  # the stop token comes in the second chunk: the request ends before the next update

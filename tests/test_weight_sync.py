@@ -117,7 +117,7 @@ def test_publisher_ships_every_bucket_to_every_engine():
     channel = WeightChannel(2, multiprocessing.get_context("spawn"))
     path = GPUWeights(channel, [1, 2], bytes_payloads, "ipc", bucket_bytes=16384, dtype=torch.bfloat16)
     publisher = Publisher(path, lm.state_dict().items(), True, lead=True, device="cpu")
-    engines = [SGLangEngine(backend=FakeBackend()) for _ in range(2)]
+    engines = [SGLangEngine(FakeBackend(), max_batch=256) for _ in range(2)]
 
     def follow(e):
         deadline = time.time() + 60

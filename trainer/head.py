@@ -170,7 +170,7 @@ class _HeadLogprob(torch.autograd.Function):
 class _Scratch:
     """Where a chunk's logits go, made once a forward or a backward and reused by every chunk: on the CPU a fresh
     64 MB tensor is a new mapping whose pages fault in, zeroed, at every chunk, which cost more than the passes over
-    them (docs/benchmarks.md, "Faster to a reward", session 22). `matmul` in the compute dtype, `logits` in float32
+    them (ac48462, docs/benchmarks.md, "Faster to a reward"). `matmul` in the compute dtype, `logits` in float32
     (the same buffer in float32), `log_probs` float32; `logits` serves again for the entropy's softmax."""
 
     def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):

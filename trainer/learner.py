@@ -1,4 +1,4 @@
-"""One trainer rank's model, optimizer and loss: `Learner.step(batch)` is one optimizer step."""
+"""One trainer rank's model, optimizer and loss: `Learner.step(batch)` trains one batch (one policy version)."""
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING

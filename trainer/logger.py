@@ -29,8 +29,8 @@ def check_backend(backend: str) -> None:
 WAIT_SHOWN_S = 10.0  # the console says the trainer is waiting for data once it has waited this long
 
 class MetricsLogger:
-    """One row per optimizer step to `<run_dir>/metrics.jsonl` (appended, so a resumed run keeps its earlier
-    rows), to a backend, and to the console.
+    """One row per step (a trained batch, one policy version) to `<run_dir>/metrics.jsonl` (appended, so a resumed
+    run keeps its earlier rows), to a backend, and to the console.
 
     backend: "none"; "tensorboard" (event files in `<run_dir>/tensorboard`, one scalar per numeric key;
     `tensorboard --logdir <run_dir>`); "wandb" (a W&B run under `<run_dir>/wandb`, project $WANDB_PROJECT or
