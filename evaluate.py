@@ -1,10 +1,10 @@
 """Accuracy on a task's test split: greedy pass@1 and sampled pass@k.
 
 Used by the learner every `eval.every` steps and at the end, and by `python train.py eval.only=true`. Rank 0
-asks an `Evaluator` for the metrics of the version it just published. On the CPU plan that is `EngineEvaluator`,
-a built-in engine of rank 0's own; on the GPU plan, where that would take hours for a big model, it is
-`EvalChannel`: each rollout worker generates its shard of the test split on its engine (`EngineEvaluation`,
-polled by the worker's loop) and rank 0 merges the scores.
+asks an `Evaluator` for the metrics of the version it just published. On the CPU plan that is
+`EngineEvaluator`, a built-in engine of rank 0's own; on the GPU plan, where that would take hours for a big
+model, it is `EvalChannel`: each rollout worker generates its shard of the test split on its engine
+(`EngineEvaluation`, polled by the worker's loop) and rank 0 merges the scores.
 """
 import queue
 import time
@@ -28,7 +28,8 @@ class Evaluator(Protocol):
     plan) or `EvalChannel` on the rollout workers' engines (GPU plan). The launcher builds it from the plan
     before the first spawn and hands it to rank 0 and to every rollout worker."""
 
-    def open(self, model_path: str, weights, task, spec: EvalSpec) -> AbstractContextManager[Callable[..., dict]]:
+    def open(self, model_path: str, weights, task,
+             spec: EvalSpec) -> AbstractContextManager[Callable[..., dict]]:
         """Rank 0's end, for the whole run: `evaluate(version, stop=None)` gives the `eval_*` metrics of the
         version just published through `weights` (the plan's WeightPath); {} if `stop` is set meanwhile."""
         ...
@@ -96,8 +97,8 @@ def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
 
 
 def evaluate_episodes(engine, tokenizer, task, spec: EvalSpec) -> dict:
-    """A multi-turn task's test split: per example one greedy episode and `k` sampled ones, scored by the rewards
-    their environments give (envs/episode.py drives them as a rollout worker does)."""
+    """A multi-turn task's test split: per example one greedy episode and `k` sampled ones, scored by the
+    rewards their environments give (envs/episode.py drives them as a rollout worker does)."""
     from envs.episode import Turns
 
     k, budget = spec.eval.k, spec.max_new_tokens
@@ -130,9 +131,10 @@ def evaluate_episodes(engine, tokenizer, task, spec: EvalSpec) -> dict:
 
 @dataclass(frozen=True)
 class EngineEvaluator:
-    """The CPU plan's: an engine of rank 0's own for each evaluation, that loads the version just published from
-    the weight path as a rollout worker's engine does. Kept between evaluations it would hold its weights, their
-    blocked copies and its KV cache in rank 0 all run; made again it costs a model load an evaluation."""
+    """The CPU plan's: an engine of rank 0's own for each evaluation, that loads the version just published
+    from the weight path as a rollout worker's engine does. Kept between evaluations it would hold its
+    weights, their blocked copies and its KV cache in rank 0 all run; made again it costs a model load an
+    evaluation."""
     engine: "EngineSpec"  # its max_len holds the longest evaluation request (longest_request)
 
     @contextmanager
@@ -162,7 +164,8 @@ class EvalShard:
 
     def __init__(self, version: int, indices, examples: list, tokenizer, spec: EvalSpec):
         self.version, self.k, self.references = version, spec.eval.k, {i: examples[i].answer for i in indices}
-        self.requests = eval_requests({i: tasks.prompt_ids(tokenizer, examples[i].question) for i in indices}, spec)
+        self.requests = eval_requests({i: tasks.prompt_ids(tokenizer, examples[i].question)
+                                       for i in indices}, spec)
         self.completions: dict[int, object] = {}
         self.handle = None
 
@@ -203,8 +206,8 @@ class EvalChannel:
     @contextmanager
     def open(self, model_path: str, weights, task, spec: EvalSpec):
         if task.env is not None:
-            print("note: the GPU plan does not evaluate multi-turn tasks yet; the episode/ metrics of the rollouts "
-                  "show their progress", flush=True)
+            print("note: the GPU plan does not evaluate multi-turn tasks yet; the episode/ metrics of the "
+                  "rollouts show their progress", flush=True)
             yield lambda version, stop=None: {}
             return
         yield self  # the engines already hold each version once it is published
@@ -254,10 +257,11 @@ class EvalChannel:
 
 
 class EngineEvaluation:
-    """A rollout worker's part of an evaluation on the engines (GPU plan). The worker's loop calls `poll` between
-    two engine steps: it answers rank 0 once this worker's shard of the test split is scored, and takes rank 0's
-    next request once the engine holds the version asked for, returning the requests to add to the engine. The
-    loop hands over the completions it `owns` with `add`; they are scored in the worker's reward pool."""
+    """A rollout worker's part of an evaluation on the engines (GPU plan). The worker's loop calls `poll`
+    between two engine steps: it answers rank 0 once this worker's shard of the test split is scored, and
+    takes rank 0's next request once the engine holds the version asked for, returning the requests to add to
+    the engine. The loop hands over the completions it `owns` with `add`; they are scored in the worker's
+    reward pool."""
 
     def __init__(self, channel: EvalChannel, worker: int, task, tokenizer, spec: EvalSpec, pool):
         self.channel, self.worker, self.task, self.tokenizer, self.spec, self.pool = (

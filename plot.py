@@ -53,7 +53,8 @@ def load_run(run_dir: str) -> tuple[RunInfo, list[dict]]:
 
 
 def find_runs(paths: list[str]) -> list[str]:
-    """Run dirs (those with metrics.jsonl or config.yaml) given as such or found under sweep dirs, in job order."""
+    """Run dirs (those with metrics.jsonl or config.yaml) given as such or found under sweep dirs, in job
+    order."""
     runs = []
     for path in paths:
         if not os.path.isdir(path):
@@ -66,7 +67,8 @@ def find_runs(paths: list[str]) -> list[str]:
             else:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
         if not found:
-            raise ValueError(f"no run under {path} (a run dir has metrics.jsonl): give run dirs or sweep dirs")
+            raise ValueError(f"no run under {path} (a run dir has metrics.jsonl): give run "
+                             "dirs or sweep dirs")
         runs += sorted(found, key=_natural)
     return list(dict.fromkeys(runs))
 
@@ -81,7 +83,8 @@ def labels(infos: list[RunInfo]) -> list[str]:
     # a key only some configs have comes from a code change, not from the sweep
     keys = [k for k in dict.fromkeys(k for s in settings for k in s)
             if k not in COSMETIC and (k in overridden or all(k in s for s in settings))]
-    differ = sorted((k for k in keys if len({s.get(k) for s in settings}) > 1), key=lambda k: k not in overridden)
+    differ = sorted((k for k in keys if len({s.get(k) for s in settings}) > 1),
+                    key=lambda k: k not in overridden)
     out = [", ".join(f"{k}={s.get(k, '-')}" for k in differ[:4]) + (", ..." if len(differ) > 4 else "")
            for s in settings]
     return [i.name if not o or out.count(o) > 1 else o for o, i in zip(out, infos)]
@@ -118,12 +121,14 @@ def compare(run_dirs: list[str], out_png: str) -> str:
     fig.legend(handles, texts, loc="upper center", ncol=min(len(runs), 6), fontsize=11, frameon=False)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
-    table = ["| run | steps | final reward (mean reward_mean, last 25% of steps) | best test pass@1 | wall-clock (s) "
-             "| gen tokens/s (mean) | train tokens/s (mean) | mean staleness |", "|---" * 8 + "|"]
+    table = ["| run | steps | final reward (mean reward_mean, last 25% of steps) | best test pass@1 | "
+             "wall-clock (s) | gen tokens/s (mean) | train tokens/s (mean) | mean staleness |",
+             "|---" * 8 + "|"]
     for label, rows in runs:
         s = summarize(rows)
         cells = [label.replace("|", "\\|"), str(s["steps"])] + [_fmt(s[k]) for k in (
-            "final_reward", "best_pass@1", "wall_s", "gen_tokens_per_s", "train_tokens_per_s", "staleness_mean")]
+            "final_reward", "best_pass@1", "wall_s", "gen_tokens_per_s", "train_tokens_per_s",
+            "staleness_mean")]
         table.append("| " + " | ".join(cells) + " |")
     if skipped:
         table += [""] + [f"skipped (no rows in metrics.jsonl): {label}" for label in skipped]
@@ -131,7 +136,8 @@ def compare(run_dirs: list[str], out_png: str) -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """The table's figures. Final reward = mean reward_mean over the last quarter of the steps (at least one)."""
+    """The table's figures. Final reward = mean reward_mean over the last quarter of the steps (at least
+    one)."""
     def mean(values):
         return sum(values) / len(values) if values else None
 
@@ -276,8 +282,10 @@ def _natural(path: str):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Plot runs side by side and print a Markdown table.")
-    parser.add_argument("dirs", nargs="+", help="run dirs (with metrics.jsonl) or sweep dirs holding run dirs")
-    parser.add_argument("-o", "--out", help="output PNG (default: <first sweep dir>/sweep.png, else ./runs.png)")
+    parser.add_argument("dirs", nargs="+",
+                        help="run dirs (with metrics.jsonl) or sweep dirs holding run dirs")
+    parser.add_argument("-o", "--out",
+                        help="output PNG (default: <first sweep dir>/sweep.png, else ./runs.png)")
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.dirs)

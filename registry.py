@@ -1,8 +1,9 @@
-"""How ringrl finds its parts by name, and how it refuses a name or a value: one style for losses, tasks, rewards
-and engines, one message for each kind of mistake.
+"""How ringrl finds its parts by name, and how it refuses a name or a value: one style for losses, tasks,
+rewards and engines, one message for each kind of mistake.
 
     LOSSES = Registry("algo", "algos", folder)         # a part is a module: algos/<name>.py
-    LOSSES.names(); LOSSES.get("tb")                   # its module; an unknown name: one line naming the valid ones
+    LOSSES.names(); LOSSES.get("tb")                   # its module; an unknown name:
+                                                         one line naming the valid ones
     require(lr > 0, "train.lr", "must be > 0", lr)      # a value out of range: one line naming the key
 
 A new part is its file (and, for a task or a rule that sets other keys, its conf/<group>/<name>.yaml): nothing

@@ -56,8 +56,8 @@ def run(args: RolloutArgs) -> None:
     with scorer as pool, engine_cm as engine:
         engine.set_version(setup.resume_step)
         evaluation = args.evaluator.worker_part(args.worker, data, tokenizer, setup.eval_spec, pool)
-        worker = RolloutWorker(args, engine, args.shared.weights.follower(engine, args.worker), tokenizer, data, pool,
-                               evaluation)
+        worker = RolloutWorker(args, engine, args.shared.weights.follower(engine, args.worker), tokenizer,
+                               data, pool, evaluation)
         try:
             worker.run()
         finally:
@@ -95,28 +95,31 @@ class Scored:
 
 
 class RolloutWorker:
-    """One worker's loop and its state. Group ids interleave the workers (group index * workers + worker), and a
-    group's K requests are numbered group id * K + sample, so a finished completion names its group."""
+    """One worker's loop and its state. Group ids interleave the workers (group index * workers + worker), and
+    a group's K requests are numbered group id * K + sample, so a finished completion names its group."""
 
     def __init__(self, args: RolloutArgs, engine, sync, tokenizer, task, pool, evaluation=None):
-        """`engine` is open; `sync` its weight path's follower; `task` the task's data; `pool` its reward pool;
-        `evaluation` this worker's part of the evaluation (GPU plan), or None."""
+        """`engine` is open; `sync` its weight path's follower; `task` the task's data; `pool` its reward
+        pool; `evaluation` this worker's part of the evaluation (GPU plan), or None."""
         rollout = args.cfg.rollout
         self.worker, self.workers, self.k = args.worker, args.workers, rollout.group_size
-        self.sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens, args.setup.stop_ids)
+        self.sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens,
+                                       args.setup.stop_ids)
         self.max_prompt_len, self.long_prompts = args.setup.max_prompt_len, rollout.long_prompts
         self.engine, self.sync, self.tokenizer, self.task, self.pool = engine, sync, tokenizer, task, pool
         self.shared, self.counters, self.evaluation = args.shared, args.shared.counters, evaluation
         self.threads = Threads()
         self.heart = args.shared.heart(f"rollout-{self.worker}")
         self.stream = prompt_stream(len(task.train), self.worker, self.workers, args.cfg.seed)
-        for _ in range(args.first_group):  # a resumed or restarted worker skips the prompts of groups delivered
+        # a resumed or restarted worker skips the prompts of groups delivered
+        for _ in range(args.first_group):
             next(self.stream)
         self.next_group = args.first_group  # this worker's index of the next group it starts
         # The turns of every episode (envs/episode.py); a one-shot completion is an episode of one turn.
         self.turns = Turns(engine, tokenizer, task, args.cfg.env, self.sampling, rollout.max_new_tokens,
                            args.cfg.seed * 1000 + self.worker, self._count)
-        self.open: dict[int, tuple[int, dict[int, Episode]]] = {}  # group id -> (prompt index, {sample: episode})
+        # group id -> (prompt index, {sample: episode})
+        self.open: dict[int, tuple[int, dict[int, Episode]]] = {}
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
 
     def _decoding(self, decoding: bool) -> None:
@@ -132,11 +135,13 @@ class RolloutWorker:
         heart = self.heart
         while not self.shared.rollouts_over():  # the launcher's stop, or the trainer's last step taken
             heart.beat("load_weights")
-            self.collect(self.sync())  # new weights, if any; an engine that interrupts requests may finish some
+            # new weights, if any; an engine that interrupts requests may finish some
+            self.collect(self.sync())
             if self.evaluation is not None:
                 for request in self.evaluation.poll(self.engine.version):
                     self.engine.add(request)
-            while self.engine.free_slots() - self.engine.num_waiting() >= self.k and self.shared.gate.try_start():
+            while (self.engine.free_slots() - self.engine.num_waiting() >= self.k
+                    and self.shared.gate.try_start()):
                 self.start_group()
             if not self.deliver_scored():
                 return  # rollouts ended while the ring was full
@@ -174,8 +179,8 @@ class RolloutWorker:
             self.turns.start(group_id * self.k + i, ids, messages, self.task.train[index])
 
     def next_prompt(self) -> tuple[int, list[int], list[dict]]:
-        """The next prompt of this worker's shard that fits rollout.max_prompt_len, cut to fit if so configured,
-        and its messages."""
+        """The next prompt of this worker's shard that fits rollout.max_prompt_len, cut to fit if so
+        configured, and its messages."""
         for index in self.stream:
             ids, messages = self.turns.prompt(self.task.train[index])
             budget = self.max_prompt_len
@@ -202,8 +207,8 @@ class RolloutWorker:
         self.collect_episodes(ended)
 
     def collect_episodes(self, ended: list[Episode]) -> None:
-        """Episodes that ended into their groups; a group whose K episodes are in goes to be scored: by the reward
-        pool (one-shot), or at once by the rewards its environment gave (multi-turn)."""
+        """Episodes that ended into their groups; a group whose K episodes are in goes to be scored: by the
+        reward pool (one-shot), or at once by the rewards its environment gave (multi-turn)."""
         for episode in ended:
             group_id, sample = divmod(episode.key, self.k)
             index, samples = self.open[group_id]
@@ -242,9 +247,10 @@ class RolloutWorker:
         return True
 
 
-def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id: int, worker_id: int) -> Group:
-    """K episodes of one prompt and their rewards as one ring entry, padded to the longest. An episode's tokens
-    after the prompt are its completion; the loss mask marks those the policy sampled."""
+def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id: int,
+             worker_id: int) -> Group:
+    """K episodes of one prompt and their rewards as one ring entry, padded to the longest. An episode's
+    tokens after the prompt are its completion; the loss mask marks those the policy sampled."""
     width = max(len(e.token_ids) for e in episodes)
     k = len(episodes)
     ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)

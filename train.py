@@ -5,7 +5,8 @@
     python train.py -m max_staleness=0,1,2,4      # a sweep, one run after another
     python train.py model.path=<HF dir or hub id> steps=100 train.lr=1e-5
     python train.py resume=outputs/<date>/<time>  # continue a run from its latest checkpoint
-    python train.py algo=tb task=gsm8k cluster=gpu8 model.path=Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs (docs/gpu.md)
+    python train.py algo=tb task=gsm8k cluster=gpu8 model.path=Qwen/Qwen2.5-1.5B-Instruct
+                                                  # 8 GPUs (docs/gpu.md)
     python plot.py multirun/<date>/<time>         # a sweep side by side: sweep.png and a table
     python train.py --help [train.lr]             # every key (or those named): default, meaning, range
 
@@ -66,12 +67,14 @@ def main(raw) -> None:
     quiet_libraries()
     from launch.forkserver import context
 
-    ctx = None if cfg.eval.only else context(device)  # the processes' imports start now, beside the set-up below
+    # the processes' imports start now, beside the set-up below
+    ctx = None if cfg.eval.only else context(device)
     torch.set_num_threads(max(cfg.cluster.threads_per_process, 1))  # the launcher itself computes little
     import tasks
     from models.loader import resolve
 
-    task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)  # a missing file or sandbox: before the model
+    # a missing file or sandbox: before the model
+    task = _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     model_path = _or_exit(resolve, cfg.model.path)
     model_config = _or_exit(facts.checked_config, model_path)
     plan = _or_exit(_plan, plan_name, cfg, model_path, model_config)
@@ -86,9 +89,9 @@ def main(raw) -> None:
 
 def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: dict, task=None,
         ctx=None) -> str | None:
-    """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or None.
-    `task`: the task's data, as built from cfg.task (built here when not given); `ctx`: how the processes start
-    (launch/forkserver.py; `spawn` when not given)."""
+    """Rollout workers and trainer ranks as `plan` says, until the last step; the error that ended it, or
+    None. `task`: the task's data, as built from cfg.task (built here when not given); `ctx`: how the
+    processes start (launch/forkserver.py; `spawn` when not given)."""
 
     import tasks
     from buffer.ring import TrajectoryRing
@@ -113,7 +116,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     task = task if task is not None else _or_exit(tasks.get(cfg.task.name).build, cfg.task, cfg.seed)
     tokenizer = _or_exit(tasks.load_tokenizer, model_path, cfg.model.chat_template)
     max_prompt_len = _max_prompt_len(tokenizer, task, cfg.rollout.max_prompt_len, cfg.rollout.long_prompts)
-    _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)  # windows
+    # windows
+    _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)
     _or_exit(check_freeze_layers, cfg.train.freeze_layers, facts.checked_config(model_path).num_hidden_layers)
     if task.env is not None:  # the chat template must render an episode turn by turn
         from envs.render import Renderer
@@ -133,14 +137,16 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
 
     # Every shared object exists before the first spawn; children receive them as arguments.
     # Each worker owns a lane of slots; one lane can hold every group the staleness bound lets it start.
-    hearts = Heartbeats([f"rollout-{w}" for w in range(workers)] + [f"trainer-{r}" for r in range(plan.trainer_ranks)])
+    hearts = Heartbeats([f"rollout-{w}" for w in range(workers)]
+                        + [f"trainer-{r}" for r in range(plan.trainer_ranks)])
     c = cfg.cluster
     sup = Supervisor(os.path.join(run_dir, "stacks"), hearts,
                      Allowance(c.hang_timeout_s, c.slow_timeout_s, c.start_timeout_s), ctx)
     shared = Shared(
         ring=TrajectoryRing(lanes * lane_slots(cfg.max_staleness, cfg.train.batch_groups), rollout.group_size,
                             max_prompt_len, rollout.max_new_tokens, num_producers=lanes),
-        gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness, version=resume["step"] if resume else 0),
+        gate=StalenessGate(cfg.train.batch_groups, cfg.max_staleness,
+                           version=resume["step"] if resume else 0),
         weights=plan.weights(facts.meta_model(model_path), rollout.dtype),
         counters=WorkerCounters(lanes),
         stop=sup.stop,
@@ -151,10 +157,11 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     evaluator = plan.evaluator(longest_request(task, tokenizer, eval_spec), rollout.dtype)
     # What every process gets: the typed config whole, what was settled here, and its own few values.
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
-                     resume_path=resume["path"] if resume else "", resume_step=resume["step"] if resume else 0,
-                     multi_turn=task.env is not None)
+                     resume_path=resume["path"] if resume else "",
+                     resume_step=resume["step"] if resume else 0, multi_turn=task.env is not None)
     slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, rollout.group_size, rollout.max_batch)
-    engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype) for w in range(workers)]
+    engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
+               for w in range(workers)]
     # perf/learner_mfu's CPU peak, measured while nothing else computes (a GPU's: by its trainer rank)
     device = plan.placement(0).device
     if device.type == "cpu" and ctx is not None and ctx.get_start_method() == "forkserver":
@@ -185,8 +192,8 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         lost = shared.reclaim(w)
         if lost is None:  # the trainer took its last step meanwhile: the worker is retired, not replaced
             return False
-        print(f"warning: {message.splitlines()[0]}; restarting it ({restarts + 1}/{plan.max_restarts}), {lost} "
-              "unfinished groups dropped", file=sys.stderr)
+        print(f"warning: {message.splitlines()[0]}; restarting it ({restarts + 1}/{plan.max_restarts}), "
+              f"{lost} unfinished groups dropped", file=sys.stderr)
         start_worker(w, shared.counters.get(w, "next_group"))
         return True
 
@@ -202,9 +209,10 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
                         shared, slots, resume["next_group"] if resume else {})
         plan.wait_for_engines(shared.weights, sup)
         for r in range(plan.trainer_ranks):
-            args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), lanes, cfg, setup, evaluator,
-                               shared, progress=cfg.progress and r == 0, peak=peak)
-            sup.start(f"trainer-{r}", run_learner, dict(args=args), cores.trainer_threads(alone=False), essential=True)
+            args = TrainerArgs(Rank(r, plan.trainer_ranks, port, plan.placement(r)), lanes, cfg, setup,
+                               evaluator, shared, progress=cfg.progress and r == 0, peak=peak)
+            sup.start(f"trainer-{r}", run_learner, dict(args=args), cores.trainer_threads(alone=False),
+                      essential=True)
         error = sup.watch(on_failure=restart_worker)
         if nodes is not None and nodes.error:  # the trainer stopped because nothing was left to generate
             error = nodes.error
@@ -223,14 +231,16 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
         if nodes is not None:
             nodes.close()
         counts = {**_launcher_counts(shared.counters), **(nodes.metrics() if nodes else {})}
-        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each, sup.peak_rss_mb)
+        write_summary(run_dir, start, error, sup.peak_mb, counts, sup.peak_parts, sup.peak_each,
+                      sup.peak_rss_mb)
         if cfg.curves:
             draw_curves(run_dir)
     return error
 
 
 def _trainer_node(cfg, plan: str):
-    """cluster=ray: the config with cluster.rollout_workers and trainer_ranks those of the trainer node's entry."""
+    """cluster=ray: the config with cluster.rollout_workers and trainer_ranks those of the trainer node's
+    entry."""
     import dataclasses
 
     if plan != "cpu":
@@ -241,8 +251,8 @@ def _trainer_node(cfg, plan: str):
 
 
 def _launcher_counts(counters) -> dict:
-    """What the launcher counted (worker restarts, groups lost with a dead worker), read once every process has
-    stopped: summary.json's, equal to the last metrics row's by construction (runtime.shared.Finish)."""
+    """What the launcher counted (worker restarts, groups lost with a dead worker), read once every process
+    has stopped: summary.json's, equal to the last metrics row's by construction (runtime.shared.Finish)."""
     return {f"rollout/{name}": counters.total(name) for name in ("restarts", "lost_groups")}
 
 
@@ -271,7 +281,8 @@ def _precision(cfg, plan: str):
 
 
 def _plan(name: str, cfg, model_path: str, model_config):
-    """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this model."""
+    """The plan's pieces: launch.plan.CPUPlan, or launch.gpu.GPUPlan laid out for these GPUs and this
+    model."""
     from engines import ENGINES
     from launch.plan import CPUPlan, compute_device, engine_kind
 
@@ -282,8 +293,8 @@ def _plan(name: str, cfg, model_path: str, model_config):
     if described:
         NOTICES.append(described)
     if name == "cpu":
-        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts, engine,
-                       cfg.cluster.activation_checkpointing)
+        return CPUPlan(cfg.cluster.rollout_workers, cfg.cluster.trainer_ranks, cfg.cluster.max_restarts,
+                       engine, cfg.cluster.activation_checkpointing)
     import torch
 
     from launch.gpu import gpu_plan
@@ -316,7 +327,8 @@ def _evaluate_only(cfg, plan, model_path, run_dir, task) -> None:
 
     tokenizer = tasks.load_tokenizer(model_path, cfg.model.chat_template)
     spec = _eval_spec(cfg, facts.stop_ids(model_path))
-    torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))  # alone: every core
+    # alone: every core
+    torch.set_num_threads(cfg.cluster.threads_per_process or len(os.sched_getaffinity(0)))
     _print_notices()
     start = time.time()
     engine_spec = plan.engine(0, 64, longest_request(task, tokenizer, spec), cfg.rollout.dtype)
@@ -339,15 +351,17 @@ def _or_exit(fn, *args):
 
 
 def _max_prompt_len(tokenizer, task, budget: int, long_prompts: str) -> int:
-    """The ring's prompt width: the longest training prompt, or the budget if one is set and some exceed it."""
+    """The ring's prompt width: the longest training prompt, or the budget if one is set and some exceed
+    it."""
     import tasks
 
     lengths = [len(ids) for ids in tasks.first_prompts(tokenizer, task, task.train)]
     if not budget or budget >= max(lengths):
         return max(lengths)
     if long_prompts == "skip" and min(lengths) > budget:
-        print(f"error: config key 'rollout.max_prompt_len' ({budget}) is below every training prompt (shortest "
-              f"{min(lengths)} tokens); raise it or set rollout.long_prompts=truncate", file=sys.stderr)
+        print(f"error: config key 'rollout.max_prompt_len' ({budget}) is below every training prompt "
+              f"(shortest {min(lengths)} tokens); raise it or set rollout.long_prompts=truncate",
+              file=sys.stderr)
         sys.exit(2)
     return budget
 

@@ -6,9 +6,9 @@ Class attributes tell the trainer what to provide: `needs_reference`, `needs_pro
 `sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks), `summed_metrics` (metric
 keys that are counts, summed over micro-batches and ranks instead of averaged) and `tied_groups_learn_nothing`
 (true where a group whose K rewards all tie has zero advantage, so no loss and no gradient: the trainer then
-leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as before),
-and `trim_group` (a function from a group to the completions the loss reads, in the order it reads them: the learner
-is given only those; online_dpo's chosen and rejected).
+leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as
+before), and `trim_group` (a function from a group to the completions the loss reads, in the order it reads
+them: the learner is given only those; online_dpo's chosen and rejected).
 Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths (`algo=<name>` finds it by its file;
 conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml sets train.lr).
 """
@@ -32,7 +32,8 @@ class MicroBatch:
     batch_sequences: int  # sequences in the whole optimizer batch, across ranks
     batch_tokens: int  # valid completion tokens in the whole optimizer batch, across ranks
     max_new_tokens: int  # the sampling budget (Dr. GRPO's constant normaliser)
-    step: int  # batches trained on so far, i.e. the policy version (for schedules; not train.minibatches' or epochs')
+    # batches trained on so far, i.e. the policy version (for schedules; not train.minibatches' or epochs')
+    step: int
     ref_logprobs: Optional[torch.Tensor] = None  # [n, T] frozen initial policy, if the loss needs it
     prox_logprobs: Optional[torch.Tensor] = None  # [n, T] weights before this batch's first update, if needed
 
@@ -42,11 +43,11 @@ CORRECTIONS = ("none", "tis", "mis_token", "mis_seq")
 
 @dataclass
 class PGConfig:
-    """What the policy-gradient rules' Configs (ppo, grpo, rloo) share: the rule's name, and the correction for
-    the mismatch between the engine's sampling policy and the trainer's.
+    """What the policy-gradient rules' Configs (ppo, grpo, rloo) share: the rule's name, and the correction
+    for the mismatch between the engine's sampling policy and the trainer's.
 
-    The engine sampled with pi_behav; the trainer's weights before this batch are pi_prox. With a correction on,
-    a rule takes its ratio against pi_prox and weights each token by (no gradient):
+    The engine sampled with pi_behav; the trainer's weights before this batch are pi_prox. With a correction
+    on, a rule takes its ratio against pi_prox and weights each token by (no gradient):
         w_it = pi_prox(y_it) / pi_behav(y_it)
         tis        c_it = min(w_it, tis_cap)                                    truncated IS (Yao et al. 2025)
         mis_token  c_it = w_it * [mis_low <= w_it <= mis_high]                  masked IS per token (icepop)
@@ -69,7 +70,8 @@ class PGConfig:
 
 def correction_weights(cfg: PGConfig, prox: torch.Tensor, behav: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """[n, T] logprobs of pi_prox and pi_behav, mask -> c [n, T] (PGConfig's docstring; 0 on padding), metrics."""
+    """[n, T] logprobs of pi_prox and pi_behav, mask -> c [n, T] (PGConfig's docstring; 0 on padding),
+    metrics."""
     with torch.no_grad():
         log_w = torch.where(mask > 0, prox - behav, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [n, T]
         tokens = mask.sum().clamp(min=1).item()
@@ -91,9 +93,11 @@ LOG_RATIO_LIMIT = 20.0  # |log pi/pi'| beyond this is clamped before exp: e^20 i
 
 def safe_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """exp(log_ratio) [n, T], exactly 1 where mask is 0 and from a log-ratio clamped to +-LOG_RATIO_LIMIT
-    elsewhere: garbage in a masked position (padding, an environment's tokens) can never make inf * 0 = NaN, and
-    an overflowing token gets a large finite ratio (no gradient past the clamp) instead of poisoning the step."""
-    return torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+    elsewhere: garbage in a masked position (padding, an environment's tokens) can never make inf * 0 = NaN,
+    and an overflowing token gets a large finite ratio (no gradient past the clamp) instead of poisoning the
+    step."""
+    return torch.where(mask > 0, log_ratio,
+                       torch.zeros_like(log_ratio)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
 
 
 def old_policy(cfg: PGConfig, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -116,10 +120,11 @@ class PGLoss:
         self.tied_groups_learn_nothing = True  # A_i = 0 on a tie, and each term is a multiple of A_i
 
 
-def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor, adv: torch.Tensor) -> dict:
-    """Fractions of the masked tokens that the clip actually cuts, per side: the ratio [n, T] below `low` with a
-    negative advantage, or above `high` with a positive one (adv [n, 1] or [n, T]). A token outside the range
-    on the other side keeps its unclipped term in min(), so it is not counted."""
+def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Tensor,
+                   adv: torch.Tensor) -> dict:
+    """Fractions of the masked tokens that the clip actually cuts, per side: the ratio [n, T] below `low` with
+    a negative advantage, or above `high` with a positive one (adv [n, 1] or [n, T]). A token outside the
+    range on the other side keeps its unclipped term in min(), so it is not counted."""
     tokens = mask.sum().clamp(min=1).item()
     below = (((low - ratio) > 1e-6) & (adv < 0)).float() * mask
     above = (((ratio - high) > 1e-6) & (adv > 0)).float() * mask
@@ -128,9 +133,9 @@ def clip_fractions(ratio: torch.Tensor, low: float, high: float, mask: torch.Ten
 
 def clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_high: float,
                       dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's per-token objective min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) [n, T], and with dual_clip c > 1
-    (Ye et al. 2020) max(that, c A) where A < 0: a very large ratio on a negative advantage cannot push without
-    bound. Returns the objective and the 0/1 mask of tokens the dual clip cut."""
+    """PPO's per-token objective min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) [n, T], and with dual_clip
+    c > 1 (Ye et al. 2020) max(that, c A) where A < 0: a very large ratio on a negative advantage cannot push
+    without bound. Returns the objective and the 0/1 mask of tokens the dual clip cut."""
     clipped = ratio.clamp(1 - eps, 1 + eps_high)
     objective = torch.min(ratio * adv, clipped * adv)
     if not dual_clip:
@@ -163,7 +168,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
 
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, normalize: bool = False) -> torch.Tensor:
     """[n, T] token logprobs -> [n] log-probability of each completion (over its length if `normalize`), each
-    token weighted by `mask` (0/1, or a correction weight); a masked position counts 0 whatever it holds (where,
-    not only a product: inf * 0 is NaN)."""
+    token weighted by `mask` (0/1, or a correction weight); a masked position counts 0 whatever it holds
+    (where, not only a product: inf * 0 is NaN)."""
     total = torch.where(mask > 0, logprobs * mask, 0.0).sum(1)
     return total / mask.sum(1).clamp(min=1) if normalize else total

@@ -1,8 +1,10 @@
-"""CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, not the update; every token keeps its gradient.
+"""CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, not the update; every token keeps its
+gradient.
 
     A_i    = (r_i - mean(r_group)) / std(r_group)                  (scale_std: false drops the division)
     r_it   = pi_theta(y_it | x, y_<t) / pi_old(y_it | x, y_<t)     pi_old = pi_behav
-    w_it   = sg[clip(r_it, 1 - eps, 1 + eps_high)]                 sg: stop-gradient (the weight is a constant)
+    w_it   = sg[clip(r_it, 1 - eps, 1 + eps_high)]                 sg: stop-gradient
+                                                                   (the weight is a constant)
     l_it   = -w_it * A_i * log pi_theta(y_it | x, y_<t)
     L      = sum_it l_it / batch_tokens                            token-level mean over the whole batch
 
@@ -43,15 +45,18 @@ class Loss(PGLoss):
         with torch.no_grad():
             ratio = safe_ratio(mb.logprobs.detach() - old, mb.mask)  # r_it [n, T], 1 on padding
             is_weight = ratio.clamp(low, high)  # w_it, a constant
-        logprobs = torch.where(mb.mask > 0, mb.logprobs, torch.zeros_like(mb.logprobs))  # padding: no term, no grad
+        # padding: no term, no grad
+        logprobs = torch.where(mb.mask > 0, mb.logprobs, torch.zeros_like(mb.logprobs))
         per_token = -is_weight * adv * logprobs * weight  # [n, T]
         loss = per_token.sum() / mb.batch_tokens
         with torch.no_grad():
             tokens = mb.mask.sum().clamp(min=1).item()
             metrics = {
                 "loss/cispo": per_token.sum().item() / tokens,
-                "cispo/weight_clipped_frac": (((ratio - high) > 1e-6).float() * mb.mask).sum().item() / tokens,
-                "cispo/weight_clipped_low_frac": (((low - ratio) > 1e-6).float() * mb.mask).sum().item() / tokens,
+                "cispo/weight_clipped_frac": (((ratio - high) > 1e-6).float() * mb.mask).sum().item()
+                                             / tokens,
+                "cispo/weight_clipped_low_frac": (((low - ratio) > 1e-6).float() * mb.mask).sum().item()
+                                                 / tokens,
                 "cispo/weight_mean": (is_weight * mb.mask).sum().item() / tokens,
                 "cispo/adv_abs_mean": adv.abs().mean().item(),
                 **correction,

@@ -1,6 +1,8 @@
-"""DAPO (Yu et al. 2025): GRPO with clip-higher, a token-level loss, soft overlong punishment and dynamic sampling.
+"""DAPO (Yu et al. 2025): GRPO with clip-higher, a token-level loss, soft overlong punishment and dynamic
+sampling.
 
-    A_i   = (r_i + R_len(|y_i|) - mean_group) / std_group                    R_len: algos/grpo.py, overlong shaping
+    A_i   = (r_i + R_len(|y_i|) - mean_group) / std_group                    R_len: algos/grpo.py,
+                                                                              overlong shaping
     l_it  = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)     eps_low 0.2, eps_high 0.28
     L     = sum_{i,t} l_it / sum_i |y_i|                                      one mean over the batch's tokens
     dynamic sampling: groups whose K rewards all tie are dropped and replaced by new ones (conf/algo/dapo.yaml

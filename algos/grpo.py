@@ -48,8 +48,8 @@ class Config(PGConfig):
     def check(self):
         require(0 < self.clip_eps < 1, "algo.clip_eps", "must be in (0, 1)", self.clip_eps)
         require(self.clip_eps_high > 0, "algo.clip_eps_high", "must be > 0", self.clip_eps_high)
-        require(not (self.dr_grpo and self.token_mean), "algo.token_mean", "must be false with algo.dr_grpo=true "
-                "(each sets the loss's normaliser)", self.token_mean)
+        require(not (self.dr_grpo and self.token_mean), "algo.token_mean",
+                "must be false with algo.dr_grpo=true (each sets the loss's normaliser)", self.token_mean)
         require(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1",
                 self.dual_clip)
         require(0 <= self.overlong_buffer_frac < 1, "algo.overlong_buffer_frac", "must be in [0, 1)",
@@ -58,7 +58,8 @@ class Config(PGConfig):
         self.check_correction()
 
 
-def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer_frac: float, penalty: float) -> torch.Tensor:
+def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer_frac: float,
+                     penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment [n] for completion lengths [n] (module docstring)."""
     cache = buffer_frac * max_new_tokens
     if cache <= 0:
@@ -87,7 +88,8 @@ class Loss(PGLoss):
         objective, dual = clipped_objective(ratio, adv, cfg.clip_eps, cfg.clip_eps_high, cfg.dual_clip)
         per_token = -objective * weight  # [n, T]
         if cfg.token_mean:
-            per_seq = per_token.sum(1) * mb.batch_sequences / mb.batch_tokens  # so that L = sum_it l_it / tokens
+            # so that L = sum_it l_it / tokens
+            per_seq = per_token.sum(1) * mb.batch_sequences / mb.batch_tokens
         elif cfg.dr_grpo:
             per_seq = per_token.sum(1) / mb.max_new_tokens
         else:
@@ -102,9 +104,11 @@ class Loss(PGLoss):
                 **sides,
                 "ratio_mean": (ratio * mb.mask).sum().item() / tokens.item(),
                 "adv_abs_mean": adv.abs().mean().item(),
-                **({"dual_clip_frac": (dual * mb.mask).sum().item() / tokens.item()} if cfg.dual_clip else {}),
+                **({"dual_clip_frac": (dual * mb.mask).sum().item() / tokens.item()} if cfg.dual_clip
+                   else {}),
                 **shaping,
             }
             # grpo/<key> (dapo/<key> under algos/dapo.py), loss/<rule>
-            metrics = {"loss/" + cfg.name if k == "loss" else f"{cfg.name}/{k}": v for k, v in metrics.items()}
+            metrics = {"loss/" + cfg.name if k == "loss" else f"{cfg.name}/{k}": v
+                       for k, v in metrics.items()}
         return loss, {**metrics, **correction}

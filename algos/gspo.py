@@ -1,16 +1,19 @@
-"""GSPO (Zheng et al. 2025, Qwen, "Group Sequence Policy Optimization"): GRPO's clip on a sequence-level ratio.
+"""GSPO (Zheng et al. 2025, Qwen, "Group Sequence Policy Optimization"): GRPO's clip on a sequence-level
+ratio.
 
-    A_i    = (r_i - mean(r_group)) / std(r_group)                          (scale_std: false drops the division)
+    A_i    = (r_i - mean(r_group)) / std(r_group)                          (scale_std: false drops the
+                                                                           division)
     s_i    = exp((1/|y_i|) sum_t log(pi_theta(y_it) / pi_old(y_it)))      pi_old = pi_behav
     l_i    = -min(s_i * A_i, clip(s_i, 1 - eps, 1 + eps_high) * A_i)
     L      = sum_i l_i / batch_sequences
 
-The gradient flows through s_i (GSPO-token's gradient is the same, the advantage being per sequence): a sequence
-the clip cuts trains nothing. The clip range is three orders of magnitude narrower than GRPO's (the paper's
-3e-4 / 4e-4): s_i is a length-normalised geometric mean, so it stays close to 1.
-With algo.correction (algos.PGConfig): pi_old = pi_prox and l_i is weighted by the mean of c_it, the correction
-weight, over the sequence's tokens, (1/|y_i|) sum_t c_it (the weight itself for mis_seq, which is per sequence).
-A sequence's log-ratio mean beyond +-algos.LOG_RATIO_LIMIT is clamped (algos.safe_ratio): no gradient past it.
+The gradient flows through s_i (GSPO-token's gradient is the same, the advantage being per sequence): a
+sequence the clip cuts trains nothing. The clip range is three orders of magnitude narrower than GRPO's (the
+paper's 3e-4 / 4e-4): s_i is a length-normalised geometric mean, so it stays close to 1.
+With algo.correction (algos.PGConfig): pi_old = pi_prox and l_i is weighted by the mean of c_it, the
+correction weight, over the sequence's tokens, (1/|y_i|) sum_t c_it (the weight itself for mis_seq, which is
+per sequence). A sequence's log-ratio mean beyond +-algos.LOG_RATIO_LIMIT is clamped (algos.safe_ratio): no
+gradient past it.
 Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = groups * K.
 """
 from dataclasses import dataclass

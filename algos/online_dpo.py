@@ -1,15 +1,16 @@
 """Online DPO as in Asynchronous RLHF (Noukhovitch et al. 2024): best vs worst of each prompt's K samples.
 
-    y_w, y_l = argmax_i r_i, argmin_i r_i           per group (the first of equals); groups whose rewards all tie
-                                                    are skipped
+    y_w, y_l = argmax_i r_i, argmin_i r_i           per group (the first of equals); groups whose rewards all
+                                                    tie are skipped
     h        = [log pi_theta(y_w) - log pi_theta(y_l)] - [log pi_ref(y_w) - log pi_ref(y_l)]
     l        = -log sigmoid(beta * h)               (DPO, Rafailov et al. 2023)
              = (h - 1 / (2 * beta))^2               (IPO, Azar et al. 2023)
     L        = sum over non-tied groups of l / batch_groups
 
-log pi(y|x) = sum_t over completion tokens. Shapes: logprobs, ref_logprobs, mask [n, T]; rewards [n]; n = G * K.
-The loss reads y_w and y_l only, so by default (pack_pairs) the learner receives each group as just those two
-(`pair`: K = 2, y_w first), and its forward, backward and reference pass skip the other K - 2 completions.
+log pi(y|x) = sum_t over completion tokens. Shapes: logprobs, ref_logprobs, mask [n, T]; rewards [n];
+n = G * K. The loss reads y_w and y_l only, so by default (pack_pairs) the learner receives each group as just
+those two (`pair`: K = 2, y_w first), and its forward, backward and reference pass skip the other K - 2
+completions.
 """
 from dataclasses import dataclass
 
@@ -27,8 +28,9 @@ class Config:
     name: str = "online_dpo"
     beta: float = 0.1  # strength of the implicit KL to the reference (larger: stay closer)
     loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
-    # train on each group's chosen and rejected completions only (the rest add nothing): the same loss and gradient,
-    # about K / 2 times fewer completion tokens through the policy and the reference (false: all K, as before)
+    # train on each group's chosen and rejected completions only (the rest add nothing): the same loss and
+    # gradient, about K / 2 times fewer completion tokens through the policy and the reference (false: all K,
+    # as before)
     pack_pairs: bool = True
 
     def check(self):
@@ -76,6 +78,6 @@ class Loss:
 
 
 def pair(group):
-    """The group as its chosen and rejected completions, in that order (buffer.ring.Group; the same one twice when
-    every reward ties, which the loss skips): argmax and argmin of the pair pick them again."""
+    """The group as its chosen and rejected completions, in that order (buffer.ring.Group; the same one twice
+    when every reward ties, which the loss skips): argmax and argmin of the pair pick them again."""
     return group.select([int(group.rewards.argmax()), int(group.rewards.argmin())])

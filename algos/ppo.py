@@ -9,14 +9,16 @@
 
 pi_prox: the weights before this batch's first update (mb.prox_logprobs; with train.minibatches = 1, in the
 first of train.epochs, the current weights); decoupled: false sets pi_prox = pi_behav (w = 1).
-algo.correction (algos.PGConfig) replaces w_it and the cap's masking with its own weight c_it. Ratios come from
-log-ratios clamped to +-20 (algos.safe_ratio), so a masked token's garbage never turns into inf * 0 = NaN.
+algo.correction (algos.PGConfig) replaces w_it and the cap's masking with its own weight c_it. Ratios come
+from log-ratios clamped to +-20 (algos.safe_ratio), so a masked token's garbage never turns into
+inf * 0 = NaN.
 
 No trust region at train.minibatches = 1 and train.epochs = 1: the ratio's pi_prox is then the forward's own
 detached logprobs, so rho = 1 and the clip never acts (l = -w A, decoupled PPO's importance-weighted policy
-gradient). The clip bites from the second minibatch on (train.minibatches > 1), as in AReaL's runs, or from the
-second epoch (train.epochs > 1, PPO's own); the default keeps one of each, the fastest to reward here
-(docs/benchmarks.md, "Time to reward"), and the behaviour weight's cap still bounds how far stale data can pull.
+gradient). The clip bites from the second minibatch on (train.minibatches > 1), as in AReaL's runs, or from
+the second epoch (train.epochs > 1, PPO's own); the default keeps one of each, the fastest to reward here
+(docs/benchmarks.md, "Time to reward"), and the behaviour weight's cap still bounds how far stale data can
+pull.
 Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = G * K.
 """
 from dataclasses import dataclass
@@ -52,8 +54,9 @@ class Config(PGConfig):
         require(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1",
                 self.dual_clip)
         self.check_correction()
-        require(self.correction == "none" or self.decoupled, "algo.correction", "must be none for standard PPO (it "
-                "weights pi_prox / pi_behav, which only decoupled PPO has): set algo.decoupled=true", self.correction)
+        require(self.correction == "none" or self.decoupled, "algo.correction",
+                "must be none for standard PPO (it weights pi_prox / pi_behav, which only decoupled PPO "
+                "has): set algo.decoupled=true", self.correction)
 
 
 class Loss:

@@ -1,6 +1,7 @@
 """REINFORCE Leave-One-Out (Ahmadian et al. 2024), as compared in Asynchronous RLHF (Noukhovitch et al. 2024).
 
-    r_i   <- r_i - kl_coef * sum_t (log pi_behav(y_it) - log pi_ref(y_it))     (only when kl_coef > 0; no grad)
+    r_i   <- r_i - kl_coef * sum_t (log pi_behav(y_it) - log pi_ref(y_it))     (only when kl_coef > 0;
+                                                                              no grad)
     A_i   = r_i - (1 / (K - 1)) sum_{j != i} r_j                               leave-one-out baseline
     L     = -sum_i A_i * sum_t c_it log pi_theta(y_it) / batch_sequences        over completion tokens
 

@@ -29,13 +29,14 @@ from registry import require
 @dataclass
 class Config:
     name: str = "tb"
-    # reward temperature at step 0 (smaller: sharper target, weaker pull to pi_ref). 0.02: faster to reward than
-    # 0.1 on the default task (bench/time_to_reward.py); TBA's GSM8K runs anneal 0.014 -> 0.004
+    # reward temperature at step 0 (smaller: sharper target, weaker pull to pi_ref). 0.02: faster to reward
+    # than 0.1 on the default task (bench/time_to_reward.py); TBA's GSM8K runs anneal 0.014 -> 0.004
     beta_start: float = 0.02
     beta_end: float = 0.02  # reward temperature after beta_steps
     beta_steps: int = 0  # optimizer steps of the linear beta schedule (0: beta_end from the start)
     length_normalize: bool = False  # divide sequence log-ratios by completion length
-    normalize: bool = True  # scale the loss by beta^2 / 2: a REINFORCE-sized gradient that grad_clip leaves alone
+    # scale the loss by beta^2 / 2: a REINFORCE-sized gradient that grad_clip leaves alone
+    normalize: bool = True
 
     def check(self):
         require(self.beta_start > 0, "algo.beta_start", "must be > 0", self.beta_start)
@@ -62,7 +63,8 @@ class Loss:
         assert mb.ref_logprobs is not None, "tb needs reference logprobs"
         beta = beta_at(self.cfg, mb.step)
         norm = self.cfg.length_normalize
-        log_ratio = sequence_logprobs(mb.logprobs, mb.mask, norm) - sequence_logprobs(mb.ref_logprobs, mb.mask, norm)
+        log_ratio = (sequence_logprobs(mb.logprobs, mb.mask, norm)
+                     - sequence_logprobs(mb.ref_logprobs, mb.mask, norm))
         delta = (log_ratio - mb.rewards / beta).view(-1, mb.group_size)  # [G, K]
         log_z = -delta.detach().mean(dim=1, keepdim=True)  # [G, 1] VarGrad: no learned log Z
         per_seq = (log_z + delta) ** 2  # [G, K]

@@ -1,19 +1,19 @@
 """Asynchrony where it pays: multi-turn episodes against a slow environment, synchronous vs asynchronous.
 
-    python -m bench.agentic [--task arith_retry] [--etas 0,1,2,4] [--latencies 0,1,2] [--seeds 0,1,2] [--steps 16]
-                            [--bar 0.8] [--out bench_out/agentic] [--report-only]
+    python -m bench.agentic [--task arith_retry] [--etas 0,1,2,4] [--latencies 0,1,2] [--seeds 0,1,2]
+                            [--steps 16] [--bar 0.8] [--out bench_out/agentic] [--report-only]
 
 Each run is `train.py task=<task> max_staleness=<eta> env.latency_s=<latency> seed=<seed>` (turns of at most 8
 tokens, episodes of at most 48: SHORT below): every environment step waits a log-normal delay of that mean
-(env.latency_sigma=1, a long tail), a remote tool's stand-in that uses no core. A synchronous trainer (eta 0) waits
-for the slowest episode of its batch; an asynchronous one trains on what has arrived while later episodes wait for
-their tools. Per (latency, eta), medians over the seeds: time to the bar (the 3-step mean of the fresh groups'
-reward, launch/summary.py), the same read by the policy (when the trainer published the versions that sampled that
-window: launch/summary.py policy_time_to_reward), s/step and its split into training and waiting for data, the share
-of the episodes' time spent waiting for the environment, and the idle share of the cores (1 - the runs' CPU seconds
-/ (wall seconds x cores)). Ends with one line per latency,
-`speedup_latency<L>=<eta 0's median time / the best eta > 0's>` (`never` where a side never reached the bar), and
-`speedup_latency<L>_by_policy=` the same by the policy.
+(env.latency_sigma=1, a long tail), a remote tool's stand-in that uses no core. A synchronous trainer (eta 0)
+waits for the slowest episode of its batch; an asynchronous one trains on what has arrived while later
+episodes wait for their tools. Per (latency, eta), medians over the seeds: time to the bar (the 3-step mean of
+the fresh groups' reward, launch/summary.py), the same read by the policy (when the trainer published the
+versions that sampled that window: launch/summary.py policy_time_to_reward), s/step and its split into
+training and waiting for data, the share of the episodes' time spent waiting for the environment, and the idle
+share of the cores (1 - the runs' CPU seconds / (wall seconds x cores)). Ends with one line per latency,
+`speedup_latency<L>=<eta 0's median time / the best eta > 0's>` (`never` where a side never reached the bar),
+and `speedup_latency<L>_by_policy=` the same by the policy.
 A bench stopped part way reruns only the missing runs.
 """
 import argparse
@@ -42,13 +42,13 @@ def run(out: str, task: str, latency: float, eta: int, seed: int, steps: int) ->
     folder = run_dir(out, latency, eta, seed)
     if completed(folder, steps):
         return
-    args = [f"task={task}", f"max_staleness={eta}", f"env.latency_s={latency:g}", f"seed={seed}", f"steps={steps}",
-            *COMMON, *SHORT, f"hydra.run.dir={folder}"]
+    args = [f"task={task}", f"max_staleness={eta}", f"env.latency_s={latency:g}", f"seed={seed}",
+            f"steps={steps}", *COMMON, *SHORT, f"hydra.run.dir={folder}"]
     print("train.py " + " ".join(args), flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT,
+                            capture_output=True, text=True)
     wall, after = time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(args[:4])} failed:\n{result.stderr[-2000:]}")
@@ -67,7 +67,8 @@ def load(folder: str, bar: float) -> dict:
     idle = 1 - cpu["cpu_s"] / (cpu["wall_s"] * cpu["cores"])
     return {"time": reached[0] if reached else None, "policy_time": policy[0] if policy else None,
             "s_step": last["time_s"] / n, "idle": idle,
-            "train_s": sum(r["perf/train_step_s"] for r in rows) / n, "wait_s": sum(r["perf/wait_s"] for r in rows) / n,
+            "train_s": sum(r["perf/train_step_s"] for r in rows) / n,
+            "wait_s": sum(r["perf/wait_s"] for r in rows) / n,
             "env_frac": last.get("episode/env_time_frac", 0.0), "success": last.get("episode/success_rate")}
 
 
@@ -91,8 +92,8 @@ def main():
                 for eta in etas:
                     run(args.out, args.task, latency, eta, seed, args.steps)
     print(f"\ntask={args.task}, {args.steps} steps, seeds {args.seeds}, medians over seeds\n")
-    print(f"| env latency (s) | max_staleness | time to {args.bar} (s) | by the policy (s) | s/step | train s/step | "
-          "wait s/step | env share of episode time | idle share of cores |")
+    print(f"| env latency (s) | max_staleness | time to {args.bar} (s) | by the policy (s) | s/step | "
+          "train s/step | wait s/step | env share of episode time | idle share of cores |")
     print("| --- " * 9 + "|")
     best, best_policy = {}, {}
     for latency in latencies:

@@ -3,9 +3,9 @@
     python -m bench.async_speedup [--steps 12] [--etas 0,1,2,4] [--out bench_out/async]
 
 The settings are one Hydra multirun of `train.py` (one rollout worker + one trainer rank, one thread each,
-on the same 2 cores), each evaluated on the test split at the end. Prints wall-clock, reward and accuracy per setting,
-where the synchronous run's time goes (the trainer waiting for data vs training), draws the runs side by side with
-plot.py, and ends with `async_speedup=<loop time at eta=0 / loop time at eta=2>`.
+on the same 2 cores), each evaluated on the test split at the end. Prints wall-clock, reward and accuracy per
+setting, where the synchronous run's time goes (the trainer waiting for data vs training), draws the runs side
+by side with plot.py, and ends with `async_speedup=<loop time at eta=0 / loop time at eta=2>`.
 """
 import argparse
 import json
@@ -37,9 +37,10 @@ def _figures(eta: int, run_dir: str) -> dict:
     quarter = max(len(rewards) // 4, 1)
     loop = rows[-1]["time_s"]
     return {
-        "eta": eta, "dir": run_dir, "wall_s": summary["wall_s"], "loop_s": loop, "s_per_step": loop / len(rows),
-        "rewards": rewards, "reward_last_quarter": sum(rewards[-quarter:]) / quarter,
-        "pass@1": rows[-1].get("eval_pass@1"), "sample_reward": rows[-1].get("eval_sample_reward"),
+        "eta": eta, "dir": run_dir, "wall_s": summary["wall_s"], "loop_s": loop,
+        "s_per_step": loop / len(rows), "rewards": rewards,
+        "reward_last_quarter": sum(rewards[-quarter:]) / quarter, "pass@1": rows[-1].get("eval_pass@1"),
+        "sample_reward": rows[-1].get("eval_sample_reward"),
         "staleness": sum(r["staleness_mean"] for r in rows) / len(rows),
         "train_s": sum(r["perf/train_step_s"] for r in rows), "wait_s": sum(r["perf/wait_s"] for r in rows),
         "memory_mb": summary.get("peak_memory_mb"),
@@ -56,17 +57,19 @@ def main():
     etas = [int(e) for e in args.etas.split(",")]
     results = sweep(etas, args.steps, args.out, args.extra)
 
-    print(f"\n{args.steps} steps of the default run (tb, 8 prompts x 8 samples), 1 rollout worker + 1 trainer, "
-          f"1 thread each, seed 0; loop = first step's start to last step's end, wall = the whole process\n")
+    print(f"\n{args.steps} steps of the default run (tb, 8 prompts x 8 samples), "
+          "1 rollout worker + 1 trainer, 1 thread each, seed 0; "
+          "loop = first step's start to last step's end, wall = the whole process\n")
     print("| max_staleness | loop s | s/step | speedup | wall s | reward, last quarter | test pass@1 | "
-          "test sampled reward | mean staleness | trainer training | trainer waiting for data | peak memory MB |")
+          "test sampled reward | mean staleness | trainer training | trainer waiting for data | "
+          "peak memory MB |")
     print("| --- " * 12 + "|")
     base = next((r for r in results if r["eta"] == 0), results[0])
     for r in results:
-        print(f"| {r['eta']} | {r['loop_s']:.0f} | {r['s_per_step']:.1f} | {base['loop_s'] / r['loop_s']:.2f} | "
-              f"{r['wall_s']:.0f} | {r['reward_last_quarter']:.2f} | {_fmt(r['pass@1'])} | "
-              f"{_fmt(r['sample_reward'])} | {r['staleness']:.2f} | {r['train_s'] / r['loop_s']:.0%} | "
-              f"{r['wait_s'] / r['loop_s']:.0%} | {r['memory_mb']} |")
+        print(f"| {r['eta']} | {r['loop_s']:.0f} | {r['s_per_step']:.1f} | "
+              f"{base['loop_s'] / r['loop_s']:.2f} | {r['wall_s']:.0f} | {r['reward_last_quarter']:.2f} | "
+              f"{_fmt(r['pass@1'])} | {_fmt(r['sample_reward'])} | {r['staleness']:.2f} | "
+              f"{r['train_s'] / r['loop_s']:.0%} | {r['wait_s'] / r['loop_s']:.0%} | {r['memory_mb']} |")
     print("\nreward_mean per step:")
     for r in results:
         print(f"  max_staleness={r['eta']}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))

@@ -15,8 +15,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy with the current thread count, counted as bytes read + bytes written (STREAM's
-    copy convention): the memory ceiling a decode step that reads every weight is held to."""
+    """Bytes/s of a large tensor copy with the current thread count, counted as bytes read + bytes written
+    (STREAM's copy convention): the memory ceiling a decode step that reads every weight is held to."""
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch
@@ -27,9 +27,9 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def bench_dtypes(choice: str) -> list[str]:
-    """`--dtypes`: `auto` is fp32, and bf16 where this CPU computes it natively (AVX-512; launch/plan.py): without
-    it a bf16 matmul takes a generic loop about 100x slower than fp32, and a bench in bf16 would run for hours. Else
-    a comma-separated list of fp32 and bf16, run as asked."""
+    """`--dtypes`: `auto` is fp32, and bf16 where this CPU computes it natively (AVX-512; launch/plan.py):
+    without it a bf16 matmul takes a generic loop about 100x slower than fp32, and a bench in bf16 would run
+    for hours. Else a comma-separated list of fp32 and bf16, run as asked."""
     from launch.plan import native_bf16
 
     if choice == "auto":
@@ -51,7 +51,8 @@ def model_matmul_flops(config, tokens: int, dtype: torch.dtype, repeats: int = 5
     d, ff, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (d, ff), (ff, d)]  # q k v o gate up down
     flops = seconds = 0.0
-    for count, (k, n) in [(config.num_hidden_layers, shape) for shape in shapes] + [(1, (d, config.vocab_size))]:
+    for count, (k, n) in ([(config.num_hidden_layers, shape) for shape in shapes]
+                          + [(1, (d, config.vocab_size))]):
         x, w, g = (torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype),
                    torch.randn(tokens, n, dtype=dtype))
         for matmul in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x):
@@ -70,7 +71,8 @@ def load(model_path: str = "smollm2-135m"):
     from models.loader import resolve
 
     path = resolve(model_path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(path))
 
 
 def task_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -93,7 +95,8 @@ def median(values: list):
 
 
 def parse_vary(texts: list[str], reserved: tuple[str, ...]) -> dict[str, list[str]]:
-    """`--vary 'name=key=value key=value'` -> {name: overrides}; a name must be new and not one of `reserved`."""
+    """`--vary 'name=key=value key=value'` -> {name: overrides}; a name must be new and not one of
+    `reserved`."""
     out = {}
     for text in texts:
         name, _, overrides = text.partition("=")
@@ -105,22 +108,23 @@ def parse_vary(texts: list[str], reserved: tuple[str, ...]) -> dict[str, list[st
 
 def baseline_tree(out: str, commit: str) -> str:
     """A checkout of `commit` (a detached git worktree under `out`, made once) to run the baseline from."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=_REPO, capture_output=True,
-                         text=True)
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=_REPO,
+                         capture_output=True, text=True)
     if sha.returncode != 0:
-        sys.exit(f"error: --baseline {commit}: not a commit of this repository (git log --oneline lists them)")
+        sys.exit(f"error: --baseline {commit}: not a commit of this repository (git log "
+                 "--oneline lists them)")
     path = os.path.join(os.path.abspath(out), f"src_{sha.stdout.strip()[:12]}")
     if not os.path.exists(os.path.join(path, "train.py")):
         subprocess.run(["git", "worktree", "prune"], cwd=_REPO, check=True)
-        subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=_REPO, check=True,
-                       capture_output=True)
+        subprocess.run(["git", "worktree", "add", "--detach", path, sha.stdout.strip()], cwd=_REPO,
+                       check=True, capture_output=True)
     return path
 
 
 def train_run(folder: str, args: list[str], steps: int, root: str = _REPO) -> None:
-    """`python train.py <args> steps=<steps>` into `folder`, from the source tree `root` (a baseline's worktree, or
-    this one), unless a run there already completed them (a benchmark stopped part way reruns only the rest). A
-    failed run ends the benchmark with its error."""
+    """`python train.py <args> steps=<steps>` into `folder`, from the source tree `root` (a baseline's
+    worktree, or this one), unless a run there already completed them (a benchmark stopped part way reruns
+    only the rest). A failed run ends the benchmark with its error."""
     if completed(folder, steps):
         return
     cmd = [sys.executable, os.path.join(root, "train.py"), *args, f"steps={steps}", f"hydra.run.dir={folder}"]

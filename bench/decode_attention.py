@@ -1,20 +1,25 @@
-"""Decode attention alone, at the built-in engine's CPU shape, against the time it takes to read its keys and values.
+"""Decode attention alone, at the built-in engine's CPU shape, against the time it takes to read its keys and
+values.
 
-    python -m bench.decode_attention [--sequences 64] [--width 224] [--visible 215] [--layers 30] [--threads 2]
+    python -m bench.decode_attention [--sequences 64] [--width 224] [--visible 215] [--layers 30]
+                                     [--threads 2]
     python -m bench.decode_attention --native      # also a C++ probe kernel, built on the spot (about 30 s)
 
-One decode step's attention for `--layers` layers, each over its own cache (as in the engine, every layer's keys
-and values come from memory, not from the CPU's caches): `--sequences` sequences of SmolLM2-135M's heads (3 kv
-heads, 3 query heads each, head_dim 64; `--kv-heads`, `--group`, `--head-dim`), the cache `--width` positions wide,
-up to `--visible` of them attended (sequences end 0-20 positions apart). It times, in alternating rounds, the medians:
+One decode step's attention for `--layers` layers, each over its own cache (as in the engine, every layer's
+keys and values come from memory, not from the CPU's caches): `--sequences` sequences of SmolLM2-135M's heads
+(3 kv heads, 3 query heads each, head_dim 64; `--kv-heads`, `--group`, `--head-dim`), the cache `--width`
+positions wide, up to `--visible` of them attended (sequences end 0-20 positions apart). It times, in
+alternating rounds, the medians:
 - `read`: summing the keys and the values, the least time their bytes allow at this thread count;
-- `matmuls`: the engine's CPU path (engines/llama.py `two_matmul_attention`: two batched matmuls, a float32 softmax);
+- `matmuls`: the engine's CPU path (engines/llama.py `two_matmul_attention`: two batched matmuls, a float32
+  softmax);
 - `fused`: `F.scaled_dot_product_attention` with the mask, the engine's path where the split does not pay;
-- with `--native`, a probe: a C++ loop (below) that reads each (sequence, kv head) block once, only its visible
-  positions, with float32 scores, softmax and sums. The engine does not use it; it measures what a kernel of that
-  kind gains before anyone builds one in (a compiler, a build on first use, a second path to keep exact).
-Prints each time a layer, the matmuls' and the probe's largest distance from a float64 reference, and ends with
-`matmuls_vs_read=<ratio>` (and `native_vs_matmuls=<ratio>`: above 1 the probe is faster).
+- with `--native`, a probe: a C++ loop (below) that reads each (sequence, kv head) block once, only its
+  visible positions, with float32 scores, softmax and sums. The engine does not use it; it measures what a
+  kernel of that kind gains before anyone builds one in (a compiler, a build on first use, a second path to
+  keep exact).
+Prints each time a layer, the matmuls' and the probe's largest distance from a float64 reference, and ends
+with `matmuls_vs_read=<ratio>` (and `native_vs_matmuls=<ratio>`: above 1 the probe is faster).
 """
 import argparse
 import math
@@ -86,7 +91,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   });
   return out;
 }
-"""
+"""  # noqa: E501
 
 
 def build_probe():
@@ -97,12 +102,13 @@ def build_probe():
                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
     except Exception as error:  # no compiler, no ninja, a compile error: one line that names the fix
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        sys.exit(f"error: --native could not build the probe ({reason}); it needs a C++ compiler with OpenMP and "
-                 "ninja (pip install ninja); run without --native for the rest")
+        sys.exit(f"error: --native could not build the probe ({reason}); it needs a C++ compiler with OpenMP "
+                 "and ninja (pip install ninja); run without --native for the rest")
 
 
 def measure(args) -> tuple[dict[str, float], dict[str, float]]:
-    """(µs a layer, largest distance from a float64 reference) for each way, the medians of `args.rounds` rounds."""
+    """(µs a layer, largest distance from a float64 reference) for each way, the medians of `args.rounds`
+    rounds."""
     torch.manual_seed(0)
     n, kv, g, d, width = args.sequences, args.kv_heads, args.group, args.head_dim, args.width
     keys = torch.randn(args.layers, n, kv, width, d).bfloat16()
@@ -119,7 +125,8 @@ def measure(args) -> tuple[dict[str, float], dict[str, float]]:
         ways["native"] = lambda i: probe.attend(q, keys[i], values[i], visible_len, d ** -0.5)
     scores = (q.double() @ keys[0].double().transpose(-1, -2)) * d ** -0.5
     reference = scores.masked_fill(~visible, -math.inf).softmax(-1) @ values[0].double()
-    errors = {name: (way(0).double() - reference).abs().max().item() for name, way in ways.items() if name != "read"}
+    errors = {name: (way(0).double() - reference).abs().max().item()
+              for name, way in ways.items() if name != "read"}
     seconds = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, way in ways.items():
@@ -147,14 +154,16 @@ def main(argv=None):
         parser.error("--visible must be more than 20 and at most --width")
     torch.set_num_threads(args.threads)
     us, errors = measure(args)
-    size = 2 * args.sequences * args.kv_heads * args.width * args.head_dim * 2  # a layer's keys and values, bf16
-    print(f"decode attention: {args.sequences} sequences x {args.kv_heads} kv heads x {args.group} query rows, "
-          f"head_dim {args.head_dim}, {args.width} positions wide (up to {args.visible} visible), bf16, "
-          f"{args.threads} threads; a layer, the median of {args.rounds} rounds over {args.layers} layers' caches:")
+    # a layer's keys and values, bf16
+    size = 2 * args.sequences * args.kv_heads * args.width * args.head_dim * 2
+    print(f"decode attention: {args.sequences} sequences x {args.kv_heads} kv heads x {args.group} query "
+          f"rows, head_dim {args.head_dim}, {args.width} positions wide (up to {args.visible} visible), "
+          f"bf16, {args.threads} threads; a layer, the median of {args.rounds} rounds over "
+          f"{args.layers} layers' caches:")
     for name, time_us in us.items():
         error = f", at most {errors[name]:.1e} from float64" if name in errors else ""
-        print(f"  {name:8s} {time_us:7.0f} us (the cache's keys and values over it: {size / time_us / 1e3:.1f} GB/s"
-              f"{error})")
+        print(f"  {name:8s} {time_us:7.0f} us (the cache's keys and values over it: "
+              f"{size / time_us / 1e3:.1f} GB/s{error})")
     print(f"matmuls_vs_read={us['matmuls'] / us['read']:.2f}")
     if args.native:
         print(f"native_vs_matmuls={us['matmuls'] / us['native']:.2f}")

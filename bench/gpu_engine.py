@@ -1,16 +1,17 @@
-"""The built-in engine on a GPU against Hugging Face `generate`: same random-weight model, batch, budget, sampling.
+"""The built-in engine on a GPU against Hugging Face `generate`: same random-weight model, batch, budget,
+sampling.
 
     python -m bench.gpu_engine --tokenizer DIR [--model qwen2.5-0.5b] [--device cuda] [--sequences 64]
         [--prompt-len 64] [--new-tokens 128] [--out bench_out/models] [--json FILE]
 
-The model is a real architecture with random weights (bench/shapes.py), in bf16 on cuda and float32 on the CPU.
-Prompts are random token ids of one length, and nothing stops early (no stop tokens, HF's eos_token_id=None), so
-every run generates exactly sequences x new-tokens tokens at T=1, top_p=1: the same work, in one batch. The engine
-runs three ways (VARIANTS): `stepwise`, the CPU plan's step; `static`, the GPU plan's fixed-shape step launched
-kernel by kernel; `graphs`, that step replayed as CUDA graphs (rollout.cuda_graphs; eager where there is no CUDA).
-Each runs the workload once untimed first (its graphs are captured there, and the capture time printed). Prints
-tokens/s of each and of HF, the share of tokens the variants agree on, and ends with
-`graphs_tokens_per_s=<n> graphs_vs_hf=<ratio> stepwise_vs_hf=<ratio>`.
+The model is a real architecture with random weights (bench/shapes.py), in bf16 on cuda and float32 on the
+CPU. Prompts are random token ids of one length, and nothing stops early (no stop tokens, HF's
+eos_token_id=None), so every run generates exactly sequences x new-tokens tokens at T=1, top_p=1: the same
+work, in one batch. The engine runs three ways (VARIANTS): `stepwise`, the CPU plan's step; `static`, the GPU
+plan's fixed-shape step launched kernel by kernel; `graphs`, that step replayed as CUDA graphs
+(rollout.cuda_graphs; eager where there is no CUDA). Each runs the workload once untimed first (its graphs are
+captured there, and the capture time printed). Prints tokens/s of each and of HF, the share of tokens the
+variants agree on, and ends with `graphs_tokens_per_s=<n> graphs_vs_hf=<ratio> stepwise_vs_hf=<ratio>`.
 """
 import argparse
 import json
@@ -31,9 +32,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# The engine's ways of decoding, compared on the same work: today's CPU-plan step (exactly the running rows, a few
-# host syncs a step), the GPU plan's static step launched kernel by kernel, and that step as CUDA graphs.
-VARIANTS = {"stepwise": dict(static=False), "static": dict(static=True), "graphs": dict(static=True, cuda_graphs=True)}
+# The engine's ways of decoding, compared on the same work: today's CPU-plan step (exactly the running rows, a
+# few host syncs a step), the GPU plan's static step launched kernel by kernel, and that step as CUDA graphs.
+VARIANTS = {"stepwise": dict(static=False), "static": dict(static=True),
+            "graphs": dict(static=True, cuda_graphs=True)}
 
 
 class EngineRun(NamedTuple):
@@ -45,11 +47,12 @@ class EngineRun(NamedTuple):
 
 
 def run_engine(model, prompts: list[list[int]], new_tokens: int, dtype, device, variant: str) -> EngineRun:
-    engine = BuiltinEngine(model, max_batch=len(prompts), max_len=len(prompts[0]) + new_tokens, seed=0, dtype=dtype,
-                           device=device, **VARIANTS[variant])
+    engine = BuiltinEngine(model, max_batch=len(prompts), max_len=len(prompts[0]) + new_tokens, seed=0,
+                           dtype=dtype, device=device, **VARIANTS[variant])
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop_token_ids=())
     requests = [Request(i, p, params) for i, p in enumerate(prompts)]
-    # The whole workload once first: kernels, the allocator, and every graph this shape needs (one per width bucket).
+    # The whole workload once first: kernels, the allocator, and every graph this shape needs (one per width
+    # bucket).
     engine.generate(requests)
     synchronize(device)
     start = time.perf_counter()
@@ -58,7 +61,8 @@ def run_engine(model, prompts: list[list[int]], new_tokens: int, dtype, device, 
     elapsed = time.perf_counter() - start
     step = engine.decoder
     graphs, capture_s = (len(step.graphs), step.capture_s) if step is not None else (0, 0.0)
-    return EngineRun(sum(len(c.token_ids) for c in done), elapsed, [c.token_ids for c in done], graphs, capture_s)
+    return EngineRun(sum(len(c.token_ids) for c in done), elapsed, [c.token_ids for c in done], graphs,
+                     capture_s)
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int, device) -> tuple[int, float]:
@@ -96,11 +100,13 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, VOCAB_BOUND, (args.sequences, args.prompt_len), generator=g).tolist()
-    print(f"{args.model} ({params / 1e6:.0f}M parameters, random weights) on {device}, {dtype}: {args.sequences} "
-          f"sequences x {args.prompt_len} prompt + {args.new_tokens} new tokens, T=1.0, top_p=1.0, no stop tokens")
+    print(f"{args.model} ({params / 1e6:.0f}M parameters, random weights) on {device}, {dtype}: "
+          f"{args.sequences} sequences x {args.prompt_len} prompt + {args.new_tokens} new tokens, T=1.0, "
+          "top_p=1.0, no stop tokens")
 
     expected = args.sequences * args.new_tokens
-    runs = {variant: run_engine(model, prompts, args.new_tokens, dtype, device, variant) for variant in VARIANTS}
+    runs = {variant: run_engine(model, prompts, args.new_tokens, dtype, device, variant)
+            for variant in VARIANTS}
     hf_tokens, hf_s = run_hf(model, prompts, args.new_tokens, device)
     counts = {**{v: r.tokens for v, r in runs.items()}, "hf": hf_tokens}
     if any(n != expected for n in counts.values()):  # the comparison is only fair on the same work
@@ -115,21 +121,22 @@ def main():
     print(f"hf generate      {hf_tps:9.1f} tok/s ({hf_s:.2f} s)")
     if device.type != "cuda":
         print("(no CUDA: the graphs variant ran the static step eagerly)")
-    # A graph replays the static step's own kernels: the same tokens, bit for bit. Against the stepwise step, the
-    # attention reads another width and bf16 rounds differently, so tokens may part after a near-tie.
+    # A graph replays the static step's own kernels: the same tokens, bit for bit. Against the stepwise step,
+    # the attention reads another width and bf16 rounds differently, so tokens may part after a near-tie.
     same = lambda a, b: sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / expected  # noqa: E731
     figures.update(graphs_same_tokens_as_static=same(runs["graphs"].completions, runs["static"].completions),
-                   static_same_tokens_as_stepwise=same(runs["static"].completions, runs["stepwise"].completions),
+                   static_same_tokens_as_stepwise=same(runs["static"].completions,
+                                                       runs["stepwise"].completions),
                    graphs=runs["graphs"].graphs, capture_s=runs["graphs"].capture_s)
     print(f"tokens the same: graphs/static {figures['graphs_same_tokens_as_static']:.3f}, static/stepwise "
           f"{figures['static_same_tokens_as_stepwise']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "gpu_engine", "model": args.model, "device": str(device), "dtype": str(dtype),
-                       "sequences": args.sequences, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       **figures, "builtin_vs_hf": figures["graphs_vs_hf"]}, f)
-    print(f"graphs_tokens_per_s={figures['graphs_tokens_per_s']:.0f} graphs_vs_hf={figures['graphs_vs_hf']:.2f} "
-          f"stepwise_vs_hf={figures['stepwise_vs_hf']:.2f}")
+            json.dump({"benchmark": "gpu_engine", "model": args.model, "device": str(device),
+                       "dtype": str(dtype), "sequences": args.sequences, "prompt_len": args.prompt_len,
+                       "new_tokens": args.new_tokens, **figures, "builtin_vs_hf": figures["graphs_vs_hf"]}, f)
+    print(f"graphs_tokens_per_s={figures['graphs_tokens_per_s']:.0f} "
+          f"graphs_vs_hf={figures['graphs_vs_hf']:.2f} stepwise_vs_hf={figures['stepwise_vs_hf']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""LoRA against full fine-tuning: the learner's peak memory and seconds per step, each in a process of its own.
+"""LoRA against full fine-tuning: the learner's peak memory and seconds per step, each in a process of its
+own.
 
     python -m bench.lora [--threads 2] [--steps 3] [--algo ppo] [--rank 16] [--bf16] [--model smollm2-135m]
 
 A step is bench/train_step.py's: the default run's batch (8 prompts x 8 completions of up to 16 tokens), one
 forward, backward and AdamW step. Two learners: "full", the default run's (every weight trains but the input
 embeddings and the head tied to them, `train.freeze_embeddings`), and LoRA (`train.lora.rank`, all linear
-layers), in fp32 as the default run on a CPU without bf16 matmul units; `--bf16` adds both under bf16 autocast,
-LoRA's base then held in bf16 (on a CPU without AMX or AVX-512 BF16, bf16 steps are many times slower). Peak memory is
-the process's peak resident set (the model, the optimizer state, the step's activations, Python and torch),
-measured in a fresh process per learner; beside it, what the learner holds between steps (weights and AdamW's
-moments, counted tensor by tensor). Ends with
+layers), in fp32 as the default run on a CPU without bf16 matmul units; `--bf16` adds both under bf16
+autocast, LoRA's base then held in bf16 (on a CPU without AMX or AVX-512 BF16, bf16 steps are many times
+slower). Peak memory is the process's peak resident set (the model, the optimizer state, the step's
+activations, Python and torch), measured in a fresh process per learner; beside it, what the learner holds
+between steps (weights and AdamW's moments, counted tensor by tensor). Ends with
 `lora_vs_full_memory=<ratio>` (LoRA's peak over full fine-tuning's, both in the default run's fp32) and
 `lora_vs_full_step=<ratio>` (the same for seconds per step). `--model qwen2.5-1.5b` (or another shape of
 bench/shapes.py, random weights) measures only LoRA (on a bf16 base with --bf16), with one group a step: what
@@ -88,11 +89,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--algo", default="ppo", help="the learning rule (tb and online_dpo also hold a reference)")
+    parser.add_argument("--algo", default="ppo",
+                        help="the learning rule (tb and online_dpo also hold a reference)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, or a shape of bench/shapes.py")
     parser.add_argument("--bf16", action="store_true", help="also under bf16 autocast, LoRA on a bf16 base")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # one learner, as a child
+    # one learner, as a child
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(one(args)))
@@ -103,8 +106,10 @@ def main():
     results = {}
     for name in names:
         cmd = [sys.executable, "-m", "bench.lora", "--variant", name, "--threads", str(args.threads),
-               "--steps", str(args.steps), "--algo", args.algo, "--rank", str(args.rank), "--model", args.model]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+               "--steps", str(args.steps), "--algo", args.algo, "--rank", str(args.rank),
+               "--model", args.model]
+        out = subprocess.run(cmd, capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
         if out.returncode:
             sys.exit(f"{name}: {out.stderr.strip().splitlines()[-1]}")
         r = results[name] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,21 +1,22 @@
 """Peak memory of the long-completion run, `python train.py algo=tb task=gsm8k`, and where it goes.
 
-    python -m bench.memory [--baseline 5ca73ac] [--path gsm8k.jsonl] [--steps 3] [--vary 'name=key=value ...' ...]
+    python -m bench.memory [--baseline 5ca73ac] [--path gsm8k.jsonl] [--steps 3]
+                           [--vary 'name=key=value ...' ...]
 
 Each setting is a whole `train.py algo=tb task=gsm8k steps=3` run in its own process tree, on this machine:
-  - `before`: the same command from a git worktree of `--baseline` (default 5ca73ac, the commit before issue 32's
-    memory work: no activation checkpointing, the dense [L, L] attention, 64 engine slots); `now`: the command as
-    it runs today; and each `--vary` setting (`now` with those overrides).
+  - `before`: the same command from a git worktree of `--baseline` (default 5ca73ac, the commit before issue
+    32's memory work: no activation checkpointing, the dense [L, L] attention, 64 engine slots); `now`: the
+    command as it runs today; and each `--vary` setting (`now` with those overrides).
   - `--path`: a local copy of GSM8K (a JSONL file in its format). Without it, a GSM8K-shaped file is written
-    under --out: templated grade-school word problems of GSM8K's length with '#### <n>' answers. Memory depends
-    on the shape of the work (prompts of ~60 tokens, completions of up to rollout.max_new_tokens=512), not on
-    the questions' wording.
+    under --out: templated grade-school word problems of GSM8K's length with '#### <n>' answers. Memory
+    depends on the shape of the work (prompts of ~60 tokens, completions of up to rollout.max_new_tokens=512),
+    not on the questions' wording.
 Per setting: the run's peak (summary.json's `peak_memory_mb`: proportional set size summed over every process,
 shared memory counted once), its split by process at that moment (`peak_memory_by_process_mb`), the s/step of
 steps 2 on, and the mean completion length. Then what the processes hold by construction, from the model's
-shapes: the trainer's fp32 policy, gradients, AdamW moments and tb's frozen reference; a rollout worker's engine
-weights and KV cache (rollout.max_batch slots of the longest prompt + max_new_tokens); the remainder of the
-trainer's share is its step's activations and the allocator's. Ends with `<setting>_peak_mb=` lines and
+shapes: the trainer's fp32 policy, gradients, AdamW moments and tb's frozen reference; a rollout worker's
+engine weights and KV cache (rollout.max_batch slots of the longest prompt + max_new_tokens); the remainder of
+the trainer's share is its step's activations and the allocator's. Ends with `<setting>_peak_mb=` lines and
 `memory_now_vs_before=<ratio>`.
 """
 import argparse
@@ -32,21 +33,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = "5ca73ac"  # the commit before issue 32
 COMMON = ["algo=tb", "task=gsm8k", "eval.every=0", "eval.k=1", "task.max_test=8", "progress=false",
           "checkpoint.at_end=false"]
-NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Mark", "Albert", "Ken", "Alexis", "Tina", "Randy", "Joy")
+NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Mark", "Albert", "Ken", "Alexis", "Tina", "Randy",
+         "Joy")
 ITEMS = ("clips", "apples", "pencils", "stickers", "cupcakes", "marbles", "books", "tickets")
 
 
 def write_gsm8k_like(path: str, count: int = 400, seed: int = 0) -> None:
-    """GSM8K's format and about its question length (45-50 words): two-step word problems with their answers."""
+    """GSM8K's format and about its question length (45-50 words): two-step word problems with their
+    answers."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(count):
             name, item = rng.choice(NAMES), rng.choice(ITEMS)
             a, b, price = rng.randint(12, 90), rng.randint(2, 6), rng.randint(2, 9)
-            question = (f"{name} sold {a} {item} to her friends in April, and then she sold {b} times as many "
-                        f"{item} in May as she did in April. Each of the {item} costs ${price}, and {name} keeps "
-                        f"all of the money she makes. How many dollars did {name} make from selling {item} in "
-                        f"April and May altogether?")
+            question = (f"{name} sold {a} {item} to her friends in April, and then she sold {b} times as "
+                        f"many {item} in May as she did in April. Each of the {item} costs ${price}, and "
+                        f"{name} keeps all of the money she makes. How many dollars did {name} make from "
+                        f"selling {item} in April and May altogether?")
             total = (a + a * b) * price
             answer = (f"In May she sold {a} * {b} = {a * b} {item}. Altogether she sold {a} + {a * b} = "
                       f"{a + a * b} {item}, for {a + a * b} * {price} = {total} dollars.\n#### {total}")
@@ -86,11 +89,13 @@ def held_by_construction() -> dict[str, float]:
     size = torch.finfo(getattr(torch, dtype)).bits // 8
     prompt = 120  # GSM8K's longest prompts in the chat template, tokens (about twice the mean)
     max_len = prompt + cfg.rollout.max_new_tokens
-    slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, cfg.rollout.group_size, cfg.rollout.max_batch)
+    slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, cfg.rollout.group_size,
+                         cfg.rollout.max_batch)
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size * slots * max_len
     mb = 2**20
     return {"trainer: fp32 weights": 4 * params / mb, "trainer: gradients": 4 * params / mb,
-            "trainer: AdamW moments": 8 * params / mb, "trainer: tb's frozen reference (fp32)": 4 * params / mb,
+            "trainer: AdamW moments": 8 * params / mb,
+            "trainer: tb's frozen reference (fp32)": 4 * params / mb,
             f"rollout worker: engine weights ({dtype})": size * params / mb,
             f"rollout worker: KV cache ({slots} slots x {max_len} tokens, {dtype})": kv / mb}
 
@@ -107,7 +112,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "memory"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    data = os.path.abspath(args.path) if args.path else os.path.join(os.path.abspath(args.out), "gsm8k_like.jsonl")
+    data = (os.path.abspath(args.path) if args.path
+            else os.path.join(os.path.abspath(args.out), "gsm8k_like.jsonl"))
     if not args.path:
         write_gsm8k_like(data)
     trees = {"before": baseline_tree(args.out, args.baseline)}
@@ -119,7 +125,8 @@ def main():
         results[name] = read(folder)
     print(f"\nalgo=tb task=gsm8k, {args.steps} steps, before: {args.baseline}, "
           f"data: {'GSM8K-shaped' if not args.path else args.path}\n")
-    print("| setting | peak MB | at the peak, by process (MB) | s/step (steps 2 on) | mean completion tokens |")
+    print("| setting | peak MB | at the peak, by process (MB) | s/step (steps 2 on) | "
+          "mean completion tokens |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in results.items():
         parts = ", ".join(f"{k} {v:,}" for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))

@@ -1,20 +1,22 @@
 """Off-policy trade-offs: staleness against the learning rule, and updates per batch, on the same 2 cores.
 
-    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--etas 0,2,8] [--out bench_out/offpolicy] [--report-only]
+    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--etas 0,2,8] [--out bench_out/offpolicy]
+                              [--report-only]
 
 The grid, each point once per seed (Hydra multiruns of `train.py`, one per rule variant):
-    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, dapo, gspo, cispo,
-                                    online_dpo, tb}
+    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, dapo, gspo,
+                                    cispo, online_dpo, tb}
     ppo (decoupled) with train.minibatches=4 at max_staleness=2
-on the default arithmetic task and model, at a reduced size (COMMON below) so that the grid takes about an hour on
-2 cores. Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread) and draws
-offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1, against training wall-clock
-(evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the seeds.
-Then the seeds' three claims, each marked reproduced, not reproduced or not distinguishable from the test pass@1
-at eta 8 (`claims` below), and `offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`.
-`--etas 0,8` leaves out the middle column (and the minibatches=4 row, which is at eta 2): the claims need only
-0 and 8. A bench that stopped part way, or a wider `--etas` later, reruns only the (variant, eta) columns with a
-missing run.
+on the default arithmetic task and model, at a reduced size (COMMON below) so that the grid takes about an
+hour on 2 cores. Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread) and
+draws offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1, against training
+wall-clock (evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the
+seeds.
+Then the seeds' three claims, each marked reproduced, not reproduced or not distinguishable from the test
+pass@1 at eta 8 (`claims` below), and
+`offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`. `--etas 0,8` leaves out the
+middle column (and the minibatches=4 row, which is at eta 2): the claims need only 0 and 8. A bench that
+stopped part way, or a wider `--etas` later, reruns only the (variant, eta) columns with a missing run.
 """
 import argparse
 import json
@@ -37,15 +39,16 @@ VARIANTS = {  # name -> overrides; each runs at every eta
     "tb": ["algo=tb"],
 }
 EXTRA = {"ppo_m4": (["algo=ppo", "train.minibatches=4"], (2,))}  # name -> overrides, etas
-# 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an hour
-# on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
+# 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an
+# hour on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
 COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.max_examples=32", "eval.k=1",
           "progress=false", "checkpoint.at_end=false"]
 
 
 def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:
     sweep_dir = os.path.join(out, name)
-    etas = [e for e in etas if not all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for s in seeds)]
+    etas = [e for e in etas
+            if not all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for s in seeds)]
     if not etas:
         print(f"{name}: done before, kept", flush=True)
         return
@@ -82,7 +85,8 @@ def load(run_dir: str) -> dict:
     return {"clock": clock, "reward": curve, "tests": tests, "reward_last_third": sum(curve[-third:]) / third,
             "pass@1": tests[-1][1] if tests else None, "s_per_step": clock[-1] / len(rows),
             "staleness": mean("staleness_mean"), "dropped": sum(r["staleness/dropped_groups"] for r in rows),
-            "offpolicy_kl": mean("offpolicy/kl"), "mismatch_kl": mean("mismatch/kl"), "ess": mean("offpolicy/ess"),
+            "offpolicy_kl": mean("offpolicy/kl"), "mismatch_kl": mean("mismatch/kl"),
+            "ess": mean("offpolicy/ess"),
             "clip_frac": next((mean(f"{rule}/clip_frac") for rule in ("ppo", "grpo", "dapo", "gspo")
                                if mean(f"{rule}/clip_frac") is not None), None),
             "entropy": mean("policy/entropy")}
@@ -102,22 +106,25 @@ def _mean(values):
 
 
 def table(results: dict) -> str:
-    lines = ["| rule | max_staleness | reward, last third | test pass@1, end | s/step (training) | mean staleness | "
-             "groups dropped | KL(behav ‖ trainer), old tokens | mismatch KL, fresh tokens | ESS | clip frac | "
-             "entropy |", "| --- " * 12 + "|"]
+    lines = ["| rule | max_staleness | reward, last third | test pass@1, end | s/step (training) | "
+             "mean staleness | groups dropped | KL(behav ‖ trainer), old tokens | "
+             "mismatch KL, fresh tokens | ESS | clip frac | entropy |", "| --- " * 12 + "|"]
     for (name, eta), runs in results.items():
         def f(key, fmt="{:.2f}"):
             value = _mean([r[key] for r in runs])
             return "-" if value is None else fmt.format(value)
         lines.append(f"| {name} | {eta} | {_spread([r['reward_last_third'] for r in runs])} | "
-                     f"{_spread([r['pass@1'] for r in runs])} | {f('s_per_step', '{:.1f}')} | {f('staleness')} | "
-                     f"{f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | {f('mismatch_kl', '{:.1e}')} | "
-                     f"{f('ess')} | {f('clip_frac', '{:.3f}')} | {f('entropy')} |")
+                     f"{_spread([r['pass@1'] for r in runs])} | {f('s_per_step', '{:.1f}')} | "
+                     f"{f('staleness')} | {f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | "
+                     f"{f('mismatch_kl', '{:.1e}')} | {f('ess')} | {f('clip_frac', '{:.3f}')} | "
+                     f"{f('entropy')} |")
     return "\n".join(lines)
 
 
-# (who, what they claim, the rule, the rule it beats at eta 8 or None: robust = no worse at eta 8 than at eta 0)
-CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades", "ppo", "ppo_naive"),
+# (who, what they claim, the rule, the rule it beats at eta 8 or None: robust = no worse at eta 8 than at
+# eta 0)
+CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades", "ppo",
+           "ppo_naive"),
           ("Asynchronous RLHF", "online DPO is robust to off-policy data", "online_dpo", None),
           ("TBA", "trajectory balance with replay is robust to off-policy data", "tb", None)]
 NOISY = 0.10  # half-spreads adding up to more than this (3 test questions of 32) decide nothing
@@ -205,14 +212,16 @@ def main():
     if not set(chosen) <= set(ETAS):
         sys.exit(f"error: --etas {args.etas}: choose from {','.join(map(str, ETAS))} (the plot's colours)")
     grid = {name: (overrides, ETAS) for name, overrides in VARIANTS.items()} | EXTRA
-    grid = {name: (overrides, tuple(e for e in etas if e in chosen)) for name, (overrides, etas) in grid.items()}
+    grid = {name: (overrides, tuple(e for e in etas if e in chosen))
+            for name, (overrides, etas) in grid.items()}
     grid = {name: entry for name, entry in grid.items() if entry[1]}
     if not args.report_only:
         for name, (overrides, etas) in grid.items():
             run_variant(name, overrides, etas, seeds, args.steps, args.out)
     results = {(name, eta): [load(os.path.join(args.out, name, _subdir(eta, s))) for s in seeds]
                for name, (_, etas) in grid.items() for eta in etas}
-    print(f"\n{args.steps} steps of 4 prompts x 4 samples, seeds {args.seeds}; mean over seeds ± half their spread\n")
+    print(f"\n{args.steps} steps of 4 prompts x 4 samples, seeds {args.seeds}; mean over seeds ± "
+          "half their spread\n")
     print(table(results))
     png = os.path.join(args.out, "offpolicy.png")
     plot(results, png)

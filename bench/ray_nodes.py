@@ -1,16 +1,17 @@
-"""cluster=ray on a simulated two-node cluster against the single-node run of the same config: groups per second
-and the seconds each step's weights take to reach the generators.
+"""cluster=ray on a simulated two-node cluster against the single-node run of the same config: groups per
+second and the seconds each step's weights take to reach the generators.
 
     python -m bench.ray_nodes [--steps 12] [--seeds 0,1] [--out bench_out/ray_nodes]
 
-Needs Ray (pip install -r requirements-ray.txt). Per seed, two runs of the default task and model on this machine,
-`python train.py steps=N seed=S eval.every=0`, each in its own process tree:
+Needs Ray (pip install -r requirements-ray.txt). Per seed, two runs of the default task and model on this
+machine, `python train.py steps=N seed=S eval.every=0`, each in its own process tree:
   - `single`: the default CPU plan, one rollout worker and one trainer rank;
   - `ray`: the same two processes with the rollout worker on a generator node: `cluster=ray`, the trainer node
     training (no rollout worker) and one simulated generator node with one, forwarding its groups over Ray and
     receiving the weights by a gloo broadcast after every step. Ray's own daemons share the machine's cores.
 Figures, from each run's metrics.jsonl and summary.json:
-  - groups/s: train.batch_groups groups a step over the mean step time of steps 2 on (step 1 has the start-up);
+  - groups/s: train.batch_groups groups a step over the mean step time of steps 2 on (step 1 has the
+    start-up);
   - weights: `single`'s publish into the shared-memory store (perf/publish_s, the trainer's side), and `ray`'s
     publish plus the broadcast to the generator node (ray/broadcast_s: a consistent copy of the store and the
     gloo broadcast, measured by the trainer node's forwarding thread);
@@ -67,8 +68,8 @@ def main():
             results[name].append(read(folder))
     print(f"\n{args.steps} steps of the default run per setting, seeds {args.seeds}; this machine: "
           f"{os.cpu_count()} cores")
-    print("| setting | seed | groups/s | s/step (2 on) | weights to the engines, s | generator node: groups, s per "
-          "forwarding call |")
+    print("| setting | seed | groups/s | s/step (2 on) | weights to the engines, s | "
+          "generator node: groups, s per forwarding call |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in SETTINGS:
         for seed, r in zip(seeds, results[name]):

@@ -30,10 +30,12 @@ def programs(n: int) -> tuple[list[str], list[str], int]:
         elif i % 4 < 2:
             op = "+" if right else "-"
             body = f"def add(a, b):\n    return a {op} b"
-            ref = {"tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", f"assert add({i}, 1) == {i + 1}"]}
+            ref = {"tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0",
+                             f"assert add({i}, 1) == {i + 1}"]}
             runs += 1
         else:
-            body = "import sys\nprint(sum(int(x) for x in sys.stdin.read().split())" + (")" if right else " + 1)")
+            body = ("import sys\nprint(sum(int(x) for x in sys.stdin.read().split())"
+                    + (")" if right else " + 1)"))
             ref = {"inputs": ["1 2\n", f"{i} 1\n"], "outputs": ["3\n", f"{i + 1}\n"]}
             runs += 2
         replies.append(f"Solution:\n{FENCE}python\n{body}\n{FENCE}\n")
@@ -44,7 +46,8 @@ def programs(n: int) -> tuple[list[str], list[str], int]:
 def rate(isolate: bool, workers: int, replies: list[str], references: list[str]) -> float:
     options = dict(isolate=isolate, timeout_s=5.0, program_timeout_s=20.0)
     with RewardPool("code", workers=workers, timeout_s=30.0, options=options) as pool:
-        pool.score(replies[:workers * 2], references[:workers * 2])  # workers started, interpreter files cached
+        # workers started, interpreter files cached
+        pool.score(replies[:workers * 2], references[:workers * 2])
         start = time.perf_counter()
         scores = pool.score(replies, references)
         seconds = time.perf_counter() - start
@@ -69,7 +72,8 @@ def main():
         boxed.append(rate(True, args.workers, replies, references))
     plain_rate, boxed_rate = statistics.median(plain), statistics.median(boxed)
     per_run_ms = (args.programs / boxed_rate - args.programs / plain_rate) / runs * args.workers * 1000
-    print(f"{args.programs} programs ({runs} runs), reward pool with {args.workers} workers, median of {args.reps}")
+    print(f"{args.programs} programs ({runs} runs), reward pool with {args.workers} workers, "
+          f"median of {args.reps}")
     print(f"plain subprocess: {plain_rate:.1f} programs/s ({', '.join(f'{r:.1f}' for r in plain)})")
     print(f"sandboxed:        {boxed_rate:.1f} programs/s ({', '.join(f'{r:.1f}' for r in boxed)})")
     print(f"sandboxed_vs_plain={boxed_rate / plain_rate:.2f}")

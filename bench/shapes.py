@@ -11,13 +11,13 @@ import os
 
 SHAPES = {
     "qwen2.5-0.5b": dict(architecture="Qwen2ForCausalLM", hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True),
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(architecture="Qwen2ForCausalLM", hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True),
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny": dict(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024,
                  rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
@@ -25,11 +25,13 @@ SHAPES = {
 
 
 def add_model_arguments(parser) -> None:
-    """The options every GPU benchmark takes: which shape, where, the tokenizer, the model cache, a JSON copy."""
+    """The options every GPU benchmark takes: which shape, where, the tokenizer, the model cache, a JSON
+    copy."""
     import torch
 
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder")
     parser.add_argument("--out", default="bench_out/models", help="where the random model folders are cached")
     parser.add_argument("--json", help="also write the figures to this file as one JSON object")

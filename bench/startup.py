@@ -2,15 +2,15 @@
 
     python -m bench.startup [--baseline 0a3b37f] [--runs 5] [--shape tiny|default] [--out bench_out/startup]
 
-`--shape tiny` (the default) is the end-to-end tests' run: a random 2-layer Llama with SmolLM2's tokenizer (written
-under --out, from the default model's folder) and the tests' settings (tests/helpers.py TINY), 2 steps. Nearly all
-of its time is start-up (the launcher's set-up, each process's imports and set-up) and the end (the last
-evaluation, a checkpoint, the summary and curves), which every end-to-end test pays once a run. `--shape default`
-is `python train.py steps=1` with the last evaluation cut to one example and no checkpoint: what a user waits for
-around a real run's first step.
+`--shape tiny` (the default) is the end-to-end tests' run: a random 2-layer Llama with SmolLM2's tokenizer
+(written under --out, from the default model's folder) and the tests' settings (tests/helpers.py TINY), 2
+steps. Nearly all of its time is start-up (the launcher's set-up, each process's imports and set-up) and the
+end (the last evaluation, a checkpoint, the summary and curves), which every end-to-end test pays once a run.
+`--shape default` is `python train.py steps=1` with the last evaluation cut to one example and no checkpoint:
+what a user waits for around a real run's first step.
 
-Runs alternate between this tree (`now`) and a git worktree of --baseline, so that the machine's drift falls on
-both. Prints each setting's median and range of wall seconds, and ends with `startup_now_s=`,
+Runs alternate between this tree (`now`) and a git worktree of --baseline, so that the machine's drift falls
+on both. Prints each setting's median and range of wall seconds, and ends with `startup_now_s=`,
 `startup_baseline_s=` and `startup_now_vs_baseline=<baseline's median / now's>` (above 1: now starts faster).
 """
 import argparse
@@ -30,8 +30,8 @@ DEFAULT = ["steps=1", "eval.every=0", "eval.k=1", "eval.max_examples=1", "checkp
 
 
 def tiny_model(folder: str) -> str:
-    """A random Llama of SmolLM2's architecture, 2 layers of width 64, with SmolLM2's tokenizer (as tests/conftest.py
-    makes it); written once."""
+    """A random Llama of SmolLM2's architecture, 2 layers of width 64, with SmolLM2's tokenizer (as
+    tests/conftest.py makes it); written once."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     import torch
@@ -41,18 +41,20 @@ def tiny_model(folder: str) -> str:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(resolve("smollm2-135m")).save_pretrained(folder)
     return folder
 
 
 def timed_run(root: str, args: list[str], run_dir: str) -> float:
-    """Seconds from starting `python train.py <args>` in `root` to its exit; a failed run ends the benchmark."""
+    """Seconds from starting `python train.py <args>` in `root` to its exit; a failed run ends the
+    benchmark."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, not a rerun's resume or append
-    cmd = [sys.executable, os.path.join(root, "train.py"), *args, f"hydra.run.dir={run_dir}", "progress=false"]
+    cmd = [sys.executable, os.path.join(root, "train.py"), *args, f"hydra.run.dir={run_dir}",
+           "progress=false"]
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     took = time.monotonic() - start
@@ -63,7 +65,8 @@ def timed_run(root: str, args: list[str], run_dir: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default=BASELINE, help="the commit to compare with (default: %(default)s)")
+    parser.add_argument("--baseline", default=BASELINE,
+                        help="the commit to compare with (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="runs of each setting, alternated (default: 5)")
     parser.add_argument("--shape", choices=("tiny", "default"), default="tiny")
     parser.add_argument("--out", default="bench_out/startup")

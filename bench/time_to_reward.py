@@ -1,12 +1,14 @@
-"""Time to reward: wall-clock until the fresh groups' reward holds a bar, per learning rule and staleness bound.
+"""Time to reward: wall-clock until the fresh groups' reward holds a bar, per learning rule and staleness
+bound.
 
     python -m bench.time_to_reward [--steps 12] [--seed 0] [--out bench_out/time_to_reward] [--report-only]
     python -m bench.time_to_reward --sweep      # first: the learning rate of every rule, synchronous
-    python -m bench.time_to_reward --seeds 0,1,2,3 [--baseline <commit>] [--vary 'name=key=value key=value' ...]
+    python -m bench.time_to_reward --seeds 0,1,2,3 [--baseline <commit>]
+                                   [--vary 'name=key=value key=value' ...]
 
 All on the default task and model, on this machine, as Hydra multiruns of `train.py`:
-  - `--sweep`: `algo` in SWEEP_RULES x `train.lr` in SWEEP_LRS at max_staleness=0, from which each rule's preset
-    (conf/algo/<rule>.yaml) takes its learning rate.
+  - `--sweep`: `algo` in SWEEP_RULES x `train.lr` in SWEEP_LRS at max_staleness=0, from which each rule's
+    preset (conf/algo/<rule>.yaml) takes its learning rate.
   - `before`: the default run as it was on 2026-11-23 before this sweep (BEFORE below): tb, max_staleness=2,
     lr 2e-5, beta 0.1, 8 prompts a step, the raw TB loss, half of each batch replayed, one thread per process,
     BEFORE_STEPS steps (it learns more slowly).
@@ -23,13 +25,13 @@ table (time to 0.8 and 0.9, s/step, the split of a step into training and waitin
 time_to_reward.png (reward against wall-clock, every setting), and ends with one `<setting>=<seconds to 0.8>`
 line per setting (`never` if it did not get there). A bench that stopped part way reruns only what is missing.
 
-`--seeds`, the multi-seed mode: the default run (`now`) once per seed, and beside it, per seed, `baseline` (the same
-command in a git worktree of `--baseline`, for example the commit before a change, so both are measured in the same
-session on the same machine) and each `--vary` setting (the default run with those overrides: one factor at a time).
-Per setting: the median over seeds of the time and of the steps to 0.8 with their range, step 1's time against the
-median steady step (steps 4 on that trained as many groups as step 1: `steady_step`), and s/step; then
-`<setting>_time_to_0.8=<median s>`, `<setting>_steps_to_0.8=` and `<setting>_step1_over_steady=` lines, and
-`now_vs_baseline=<baseline's median time / now's>`.
+`--seeds`, the multi-seed mode: the default run (`now`) once per seed, and beside it, per seed, `baseline`
+(the same command in a git worktree of `--baseline`, for example the commit before a change, so both are
+measured in the same session on the same machine) and each `--vary` setting (the default run with those
+overrides: one factor at a time). Per setting: the median over seeds of the time and of the steps to 0.8 with
+their range, step 1's time against the median steady step (steps 4 on that trained as many groups as step 1:
+`steady_step`), and s/step; then `<setting>_time_to_0.8=<median s>`, `<setting>_steps_to_0.8=` and
+`<setting>_step1_over_steady=` lines, and `now_vs_baseline=<baseline's median time / now's>`.
 """
 import argparse
 import json
@@ -71,21 +73,24 @@ def settings(out: str, sweep: bool) -> dict[str, str]:
                 for lr in SWEEP_LRS}
     runs = {"before": os.path.join(out, "before")}
     runs |= {f"{r}_eta{e}": os.path.join(out, "grid", f"{r}_eta{e}") for r in RULES for e in ETAS}
-    runs |= {f"tb_eta{e}_threads{t}": os.path.join(out, "cores", f"tb_eta{e}_threads{t}") for e in ETAS for t in (1, 2)}
+    runs |= {f"tb_eta{e}_threads{t}": os.path.join(out, "cores", f"tb_eta{e}_threads{t}")
+             for e in ETAS for t in (1, 2)}
     return runs | {f"tb_eta{e}_slowgen": os.path.join(out, "slowgen", f"tb_eta{e}") for e in ETAS}
 
 
 def run_all(out: str, steps: int, seed: int, sweep: bool) -> None:
     common = [f"steps={steps}", f"seed={seed}", *COMMON]
     if sweep:
-        _multirun(os.path.join(out, "sweep"), [f"algo={','.join(SWEEP_RULES)}", f"train.lr={','.join(SWEEP_LRS)}",
-                                               "max_staleness=0"], "${algo.name}_lr${train.lr}", common)
+        _multirun(os.path.join(out, "sweep"),
+                  [f"algo={','.join(SWEEP_RULES)}", f"train.lr={','.join(SWEEP_LRS)}", "max_staleness=0"],
+                  "${algo.name}_lr${train.lr}", common)
         return
     before = os.path.join(out, "before")
     if not completed(before, BEFORE_STEPS):
         _train([*BEFORE, *common, f"steps={BEFORE_STEPS}", f"hydra.run.dir={before}"])
     etas = f"max_staleness={','.join(map(str, ETAS))}"
-    _multirun(os.path.join(out, "grid"), [f"algo={','.join(RULES)}", etas], "${algo.name}_eta${max_staleness}", common)
+    _multirun(os.path.join(out, "grid"), [f"algo={','.join(RULES)}", etas],
+              "${algo.name}_eta${max_staleness}", common)
     _multirun(os.path.join(out, "cores"), ["algo=tb", etas, "cluster.threads_per_process=1,2",
                                            "cluster.oversubscribe=true"],
               "${algo.name}_eta${max_staleness}_threads${cluster.threads_per_process}", common)
@@ -121,8 +126,8 @@ def table(results: dict) -> str:
     def s(v, fmt="{:.0f}"):
         return "never" if v is None else fmt.format(v)
 
-    lines = ["| setting | time to 0.8 (s) | time to 0.9 (s) | s/step | train s/step | wait s/step | trainer threads "
-             "(mean) | test pass@1, end |", "| --- " * 8 + "|"]
+    lines = ["| setting | time to 0.8 (s) | time to 0.9 (s) | s/step | train s/step | wait s/step | "
+             "trainer threads (mean) | test pass@1, end |", "| --- " * 8 + "|"]
     for name, r in results.items():
         lines.append(f"| {name} | {s(r[0.8])} | {s(r[0.9])} | {r['s_per_step']:.1f} | {r['train_s']:.1f} | "
                      f"{r['wait_s']:.1f} | {r['threads']:.1f} | {s(r['pass@1'], '{:.2f}')} |")
@@ -161,7 +166,8 @@ def run_seeds(out: str, steps: int, seeds: list[int], settings: dict[str, tuple[
         for name, (root, overrides) in settings.items():
             folder = os.path.join(os.path.abspath(out), "seeds", name, f"seed{seed}")
             if not completed(folder, steps):
-                _train([*overrides, f"steps={steps}", f"seed={seed}", *COMMON, f"hydra.run.dir={folder}"], root)
+                _train([*overrides, f"steps={steps}", f"seed={seed}", *COMMON, f"hydra.run.dir={folder}"],
+                       root)
 
 
 def step_times(rows: list[dict]) -> list[float]:
@@ -169,9 +175,10 @@ def step_times(rows: list[dict]) -> list[float]:
 
 
 def steady_step(rows: list[dict], steps: list[float]) -> float:
-    """The median time of steps 4 on that trained as many groups as step 1 (the same `train/tied_groups_skipped`),
-    or of all steps 4 on where none did. A step whose groups all tie skips their passes (train.skip_tied_groups), so
-    a solved task's late steps are cheaper than step 1 for a reason that is not a warm-up tax."""
+    """The median time of steps 4 on that trained as many groups as step 1 (the same
+    `train/tied_groups_skipped`), or of all steps 4 on where none did. A step whose groups all tie skips their
+    passes (train.skip_tied_groups), so a solved task's late steps are cheaper than step 1 for a reason that
+    is not a warm-up tax."""
     later = list(zip(rows, steps))[3:]
     first_tied = rows[0].get("train/tied_groups_skipped")
     alike = [s for row, s in later if row.get("train/tied_groups_skipped") == first_tied]
@@ -194,10 +201,11 @@ def seeds_table(results: dict[str, list[dict]]) -> tuple[str, list[str]]:
         done = [v for v in values if v is not None]
         span = f"{fmt.format(min(done))}-{fmt.format(max(done))}" if done else "-"
         never = sum(v is None for v in values)
-        return ("never" if mid is None else fmt.format(mid)) + f" ({span}{f', {never} never' if never else ''})"
+        return (("never" if mid is None else fmt.format(mid))
+                + f" ({span}{f', {never} never' if never else ''})")
 
-    lines = ["| setting | seeds | time to 0.8, s: median (range) | steps to 0.8: median (range) | step 1 / steady step "
-             "| s/step | test pass@1: median (range) |", "| --- " * 7 + "|"]
+    lines = ["| setting | seeds | time to 0.8, s: median (range) | steps to 0.8: median (range) | "
+             "step 1 / steady step | s/step | test pass@1: median (range) |", "| --- " * 7 + "|"]
     figures = []
     for name, runs in results.items():
         lines.append(f"| {name} | {len(runs)} | {spread([r['time'] for r in runs], '{:.0f}')} | "
@@ -212,7 +220,8 @@ def seeds_table(results: dict[str, list[dict]]) -> tuple[str, list[str]]:
     now, base = results.get("now"), results.get("baseline")
     if now and base:
         t_now, t_base = median([r["time"] for r in now]), median([r["time"] for r in base])
-        figures.append(f"now_vs_baseline={'never' if t_now is None or t_base is None else f'{t_base / t_now:.2f}'}")
+        figures.append("now_vs_baseline="
+                       f"{'never' if t_now is None or t_base is None else f'{t_base / t_now:.2f}'}")
     return "\n".join(lines), figures
 
 
@@ -231,7 +240,8 @@ def main_seeds(args) -> None:
         if runs:
             results[name] = runs
     text, figures = seeds_table(results)
-    print(f"\n{args.steps} steps, seeds {args.seeds}" + (f", baseline {args.baseline}" if args.baseline else "") + "\n")
+    print(f"\n{args.steps} steps, seeds {args.seeds}"
+          + (f", baseline {args.baseline}" if args.baseline else "") + "\n")
     print(text + "\n")
     print("\n".join(figures))
 
@@ -242,8 +252,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", default="", help="the multi-seed mode: these seeds, for example 0,1,2,3")
     parser.add_argument("--baseline", default="", help="with --seeds: also run this commit's default run")
-    parser.add_argument("--vary", action="append", default=[], help="with --seeds: 'name=key=value ...', repeatable")
-    parser.add_argument("--sweep", action="store_true", help="the learning-rate sweep instead of the comparison")
+    parser.add_argument("--vary", action="append", default=[],
+                        help="with --seeds: 'name=key=value ...', repeatable")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the learning-rate sweep instead of the comparison")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "time_to_reward"))
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()

@@ -51,9 +51,11 @@ def main():
             ids = renderer.prompt(task.messages(example))
             params = SamplingParams(1.0, 1.0, 32, (tokenizer.eos_token_id,), ("</calc>",))
             requests += [Request(len(requests) + m, ids, params) for m in range(args.samples)]
-        replies = tokenizer.batch_decode([c.token_ids for c in engine.generate(requests)], skip_special_tokens=True)
+        replies = tokenizer.batch_decode([c.token_ids for c in engine.generate(requests)],
+                                         skip_special_tokens=True)
         rate = sum(map(valid, replies)) / len(replies)
-        print(f"shots={shots}: {sum(map(valid, replies))}/{len(replies)} valid calls; e.g. {replies[0][:60]!r}")
+        print(f"shots={shots}: {sum(map(valid, replies))}/{len(replies)} valid calls; e.g. "
+              f"{replies[0][:60]!r}")
         print(f"valid_calls_shots{shots}={rate:.3f}")
 
 

@@ -1,38 +1,41 @@
 """Learner throughput: forward + backward + AdamW step on realistic RL batches, as model FLOPs utilisation.
 
     python -m bench.train_step [--threads 2] [--steps 3] [--compile] [--completion-len 16] [--dtypes auto]
-                               [--attention auto|segments|dense|matmuls|both|<way>,<way>...] [--head-logits keep|both]
-                               [--freeze-embeddings as-default|both] [--share-prefix as-default|both] [--groups 8]
+                               [--attention auto|segments|dense|matmuls|both|<way>,<way>...]
+                               [--head-logits keep|both] [--freeze-embeddings as-default|both]
+                               [--share-prefix as-default|both] [--groups 8]
 
-A batch is the default run's: 8 prompts (`--groups`) of the arithmetic task x 8 completions of random length (4-16
-tokens), packed with the prompt once per group and the prompts' common prefix once a pass (train.share_prefix);
-`--completion-len N` makes them N/4-N tokens long (passes of at most 4096 padded tokens, train.micro_tokens'
-default). MFU = the model FLOPs of the tokens the passes computed per second (a shared prefix's copies left out;
-6 x parameters a token, less what frozen weights skip: trainer/policy.py `train_flops_per_token`), over the
-peak of a matmul in the compute dtype measured in the same run. Each line also gives the ceiling at this
-model's own matmul shapes (the step's projections timed alone): a narrow model's matmuls cannot feed the
-bf16 units, so that ceiling, not the square-matmul peak, bounds what the step could reach. Ends with
-`mfu=<fraction>` (bf16 autocast, against the square-matmul peak; fp32 on a CPU without native bf16, where `--dtypes`
-defaults to fp32 alone). `--compile` also measures bf16 with
-`train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and casts
-around the matmuls), prints its compile time and its speed against eager bf16 in the same run. `--attention`: how
-packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or more per segment, the
-CPU rows of a bf16 step under MATMUL_ROW through the dense mask as two matmuls, the others through the dense mask in
-SDPA), `segments` every row with one call per prompt and per completion (trainer/attention.py), `dense` every row
-through the [L, L] shared-prompt mask in SDPA, `matmuls` every row, in any dtype, through that mask as two float32
-matmuls and a softmax. Several, comma-separated (`both`: `segments,dense`): per dtype one learner whose steps
-alternate between them on one batch, each way's s/step and MFU; ends with `<way>_vs_<last way>=<the last way's
-median s/step over this one's>` for each other way (bf16's, else fp32's).
-`--head-logits both`: one learner (the head frozen, as by default), its steps alternating between three ways the
-output head's backward gets its softmax (trainer/head.py): `direction` (the default: the forward makes the rows'
-gradient direction from its softmax, the backward scales it), `keep` (the forward keeps the softmax while it fits in
-KEEP_LOGITS_BYTES, as a trained head's does) and `recompute` (the backward recomputes the logits), on the same batch;
-prints `keep_vs_recompute=` and ends with `direction_vs_recompute=<recompute's median s/step over direction's>` (a
-shared VM drifts less within a run than between runs). `--freeze-embeddings both`: two learners on the same batch,
-their steps alternating, with the input embeddings (and the head tied to them) frozen and trained; ends with
+A batch is the default run's: 8 prompts (`--groups`) of the arithmetic task x 8 completions of random length
+(4-16 tokens), packed with the prompt once per group and the prompts' common prefix once a pass
+(train.share_prefix); `--completion-len N` makes them N/4-N tokens long (passes of at most 4096 padded tokens,
+train.micro_tokens' default). MFU = the model FLOPs of the tokens the passes computed per second (a shared
+prefix's copies left out; 6 x parameters a token, less what frozen weights skip: trainer/policy.py
+`train_flops_per_token`), over the peak of a matmul in the compute dtype measured in the same run. Each line
+also gives the ceiling at this model's own matmul shapes (the step's projections timed alone): a narrow
+model's matmuls cannot feed the bf16 units, so that ceiling, not the square-matmul peak, bounds what the step
+could reach. Ends with `mfu=<fraction>` (bf16 autocast, against the square-matmul peak; fp32 on a CPU without
+native bf16, where `--dtypes` defaults to fp32 alone). `--compile` also measures bf16 with
+`train.compile=true` (the decoder stack through `torch.compile`: inductor fuses the element-wise work and
+casts around the matmuls), prints its compile time and its speed against eager bf16 in the same run.
+`--attention`: how packed rows attend: `auto` as the trainer does (rows of trainer.attention.MIN_ROW tokens or
+more per segment, the CPU rows of a bf16 step under MATMUL_ROW through the dense mask as two matmuls, the
+others through the dense mask in SDPA), `segments` every row with one call per prompt and per completion
+(trainer/attention.py), `dense` every row through the [L, L] shared-prompt mask in SDPA, `matmuls` every row,
+in any dtype, through that mask as two float32 matmuls and a softmax. Several, comma-separated (`both`:
+`segments,dense`): per dtype one learner whose steps alternate between them on one batch, each way's s/step
+and MFU; ends with `<way>_vs_<last way>=<the last way's median s/step over this one's>` for each other way
+(bf16's, else fp32's).
+`--head-logits both`: one learner (the head frozen, as by default), its steps alternating between three ways
+the output head's backward gets its softmax (trainer/head.py): `direction` (the default: the forward makes the
+rows' gradient direction from its softmax, the backward scales it), `keep` (the forward keeps the softmax
+while it fits in KEEP_LOGITS_BYTES, as a trained head's does) and `recompute` (the backward recomputes the
+logits), on the same batch; prints `keep_vs_recompute=` and ends with
+`direction_vs_recompute=<recompute's median s/step over direction's>` (a shared VM drifts less within a run
+than between runs). `--freeze-embeddings both`: two learners on the same batch, their steps alternating, with
+the input embeddings (and the head tied to them) frozen and trained; ends with
 `frozen_vs_trained=<trained's median s/step over frozen's>`. `--share-prefix both`: one learner, its steps
-alternating between the prompts' common prefix computed once a pass and in every row, on the same batch; ends with
-`shared_vs_whole=<every row's median s/step over shared's>`.
+alternating between the prompts' common prefix computed once a pass and in every row, on the same batch; ends
+with `shared_vs_whole=<every row's median s/step over shared's>`.
 """
 import argparse
 import socket
@@ -54,9 +57,9 @@ from trainer.freeze import train_flops_per_token
 from trainer.head import _HeadLogprob
 from trainer.learner import Learner
 
-# --attention: each way's settings of trainer.attention (MIN_ROW: rows at least this long per segment; MATMUL_ROW and
-# MATMUL_DTYPES: CPU rows under it, in a step computing in one of those, through the masked matmuls; the others
-# through the dense mask in SDPA)
+# --attention: each way's settings of trainer.attention (MIN_ROW: rows at least this long per segment;
+# MATMUL_ROW and MATMUL_DTYPES: CPU rows under it, in a step computing in one of those, through the masked
+# matmuls; the others through the dense mask in SDPA)
 _AS_RUN = {name: getattr(trainer.attention, name) for name in ("MIN_ROW", "MATMUL_ROW", "MATMUL_DTYPES")}
 ATTENTION = {"auto": {}, "segments": {"MIN_ROW": 0}, "dense": {"MIN_ROW": 1 << 62, "MATMUL_ROW": 0},
              "matmuls": {"MIN_ROW": 1 << 62, "MATMUL_ROW": 1 << 62,
@@ -80,8 +83,9 @@ def batch(tokenizer, groups=None, k=8, seed=0, longest=16):
         lens = torch.randint(max(1, longest // 4), longest + 1, (k,), generator=g)
         ids = torch.randint(100, 40000, (k, longest), generator=g)
         out.append(Group(torch.tensor(prompt), ids, lens, torch.full((k, longest), -1.0),
-                         torch.zeros(k, longest, dtype=torch.long), torch.randint(0, 2, (k,), generator=g).float(),
-                         torch.zeros(k, dtype=torch.bool), i, i, 0))
+                         torch.zeros(k, longest, dtype=torch.long),
+                         torch.randint(0, 2, (k,), generator=g).float(), torch.zeros(k, dtype=torch.bool),
+                         i, i, 0))
     return pack(out)
 
 
@@ -91,7 +95,8 @@ def measure(path, tokenizer, autocast: bool, steps: int, algo: str, compile: boo
     start = time.perf_counter()
     learner.step(data, 1)  # warm-up
     if compile:
-        print(f"compile and first step: {time.perf_counter() - start:.0f} s (inductor caches it for later runs)")
+        print(f"compile and first step: {time.perf_counter() - start:.0f} s "
+              "(inductor caches it for later runs)")
     start = time.perf_counter()
     for step in range(steps):
         metrics = learner.step(data, step + 2)
@@ -119,8 +124,9 @@ def _learner(path, tokenizer, autocast: bool, algo: str, compile: bool, longest:
 
 
 def _alternate(ways: dict, steps: int) -> dict:
-    """Median s/step of each way (name -> a function of the step number that takes one), after a warm-up step each,
-    `steps` rounds of one step each, in order then in reverse (a, b, b, a, ...), so that a drifting VM favours none."""
+    """Median s/step of each way (name -> a function of the step number that takes one), after a warm-up step
+    each, `steps` rounds of one step each, in order then in reverse (a, b, b, a, ...), so that a drifting VM
+    favours none."""
     names = list(ways)
     for name in names:
         ways[name](1)
@@ -134,8 +140,8 @@ def _alternate(ways: dict, steps: int) -> dict:
 
 
 def _alternate_settings(learner, data, settings: dict, steps: int) -> tuple[dict, dict]:
-    """`_alternate` over one learner and batch: each setting (name -> a function that puts it in place) before each
-    of its steps. Returns the medians and the last step's metrics."""
+    """`_alternate` over one learner and batch: each setting (name -> a function that puts it in place) before
+    each of its steps. Returns the medians and the last step's metrics."""
     last = {}
 
     def step_with(put):
@@ -148,7 +154,8 @@ def _alternate_settings(learner, data, settings: dict, steps: int) -> tuple[dict
 
 
 def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> dict:
-    """Each way's median s/step (direction, keep, recompute), their steps alternating on one learner and batch."""
+    """Each way's median s/step (direction, keep, recompute), their steps alternating on one learner and
+    batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
     keep, direction = _HeadLogprob.KEEP_LOGITS_BYTES, _HeadLogprob.FROZEN_DIRECTION
 
@@ -158,7 +165,8 @@ def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest:
         return put
 
     try:
-        medians, _ = _alternate_settings(learner, data, {"direction": way(True, keep), "keep": way(False, keep),
+        medians, _ = _alternate_settings(learner, data, {"direction": way(True, keep),
+                                                         "keep": way(False, keep),
                                                          "recompute": way(False, 0)}, steps)
     finally:
         _HeadLogprob.KEEP_LOGITS_BYTES, _HeadLogprob.FROZEN_DIRECTION = keep, direction
@@ -168,7 +176,8 @@ def head_logits(path, tokenizer, autocast: bool, steps: int, algo: str, longest:
     return medians
 
 
-def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int, ways: list[str]) -> dict:
+def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int,
+                   ways: list[str]) -> dict:
     """Each --attention way's median s/step, their steps alternating on one learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
     try:
@@ -177,9 +186,10 @@ def attention_ways(path, tokenizer, autocast: bool, steps: int, algo: str, longe
         attend("auto")
     flops, peak = train_flops_per_token(learner.policy.lm) * computed(last), \
         matmul_peak_flops(torch.bfloat16 if autocast else torch.float32)
-    each = ", ".join(f"{way} {medians[way]:.2f} s/step (MFU {flops / medians[way] / peak:.1%})" for way in ways)
-    print(f"{'bf16 autocast' if autocast else 'fp32':14s} {each} ({steps} steps each, alternated, {data.num_tokens} "
-          f"tokens in rows of {data.segments.shape[1]})")
+    each = ", ".join(f"{way} {medians[way]:.2f} s/step (MFU {flops / medians[way] / peak:.1%})"
+                     for way in ways)
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} {each} ({steps} steps each, alternated, "
+          f"{data.num_tokens} tokens in rows of {data.segments.shape[1]})")
     return medians
 
 
@@ -189,23 +199,26 @@ def freeze_embeddings(path, tokenizer, autocast: bool, steps: int, algo: str, lo
     data = batch(tokenizer, longest=longest)
     learners = {name: _learner(path, tokenizer, autocast, algo, False, longest, freeze_embeddings=frozen)[0]
                 for name, frozen in (("frozen", True), ("trained", False))}
-    medians = _alternate({name: lambda n, learner=learner: learner.step(data, n) for name, learner in learners.items()},
+    medians = _alternate({name: lambda n, learner=learner: learner.step(data, n)
+                          for name, learner in learners.items()},
                          steps)
-    print(f"{'bf16 autocast' if autocast else 'fp32':14s} embeddings frozen {medians['frozen']:.2f} s/step, trained "
-          f"{medians['trained']:.2f} s/step ({steps} steps each, alternated, {data.num_tokens} tokens)")
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} embeddings frozen {medians['frozen']:.2f} s/step, "
+          f"trained {medians['trained']:.2f} s/step ({steps} steps each, alternated, "
+          f"{data.num_tokens} tokens)")
     return medians["trained"] / medians["frozen"]
 
 
 def share_prefix(path, tokenizer, autocast: bool, steps: int, algo: str, longest: int) -> float:
-    """Whole rows' median s/step over a shared prefix's (train.share_prefix), their steps alternating on one learner
-    and batch."""
+    """Whole rows' median s/step over a shared prefix's (train.share_prefix), their steps alternating on one
+    learner and batch."""
     learner, data = _learner(path, tokenizer, autocast, algo, False, longest)
     share = partial(setattr, learner.policy, "share_prefix")
-    medians, _ = _alternate_settings(learner, data, {"shared": partial(share, True), "whole": partial(share, False)},
-                                     steps)
-    print(f"{'bf16 autocast' if autocast else 'fp32':14s} prompts' common prefix shared {medians['shared']:.2f} "
-          f"s/step, in every row {medians['whole']:.2f} s/step ({steps} steps each, alternated, "
-          f"{data.num_groups} groups, {data.num_tokens} tokens in rows of {data.segments.shape[1]})")
+    medians, _ = _alternate_settings(learner, data,
+                                     {"shared": partial(share, True), "whole": partial(share, False)}, steps)
+    print(f"{'bf16 autocast' if autocast else 'fp32':14s} prompts' common prefix shared "
+          f"{medians['shared']:.2f} s/step, in every row {medians['whole']:.2f} s/step ({steps} steps each, "
+          f"alternated, {data.num_groups} groups, {data.num_tokens} tokens in rows of "
+          f"{data.segments.shape[1]})")
     return medians["whole"] / medians["shared"]
 
 
@@ -218,16 +231,18 @@ def main():
     parser.add_argument("--dtypes", default="auto",
                         help="fp32, bf16 (autocast) or both; auto: bf16 too where the CPU has it natively")
     parser.add_argument("--attention", default="auto",
-                        help="rows: auto (as the trainer), segments, dense, matmuls, or several comma-separated "
-                             "(compared; both = segments,dense)")
+                        help="rows: auto (as the trainer), segments, dense, matmuls, or several "
+                             "comma-separated (compared; both = segments,dense)")
     parser.add_argument("--completion-len", type=int, default=16,
                         help="longest completion (the default run's 16; GSM8K's run to hundreds)")
     parser.add_argument("--head-logits", default="keep", choices=["keep", "both"],
-                        help="both: steps alternating between the head's three ways to its backward's softmax")
+                        help="both: steps alternating between the head's three ways to its "
+                             "backward's softmax")
     parser.add_argument("--freeze-embeddings", default="as-default", choices=["as-default", "both"],
                         help="both: two learners' steps alternating, embeddings frozen and trained")
     parser.add_argument("--share-prefix", default="as-default", choices=["as-default", "both"],
-                        help="both: steps alternating, the prompts' common prefix computed once and in every row")
+                        help="both: steps alternating, the prompts' common prefix computed once "
+                             "and in every row")
     parser.add_argument("--groups", type=int, default=8, help="groups (prompts) in the batch")
     args = parser.parse_args()
     global GROUPS
@@ -258,35 +273,40 @@ def main():
             dist.destroy_process_group()
             print(f"{figure}={ratios[-1]:.2f}")
             return
-    ways = ["segments", "dense"] if args.attention == "both" else list(dict.fromkeys(args.attention.split(",")))
+    ways = (["segments", "dense"] if args.attention == "both"
+            else list(dict.fromkeys(args.attention.split(","))))
     if not set(ways) <= set(ATTENTION):
-        parser.error(f"--attention: each of {', '.join(ways)} must be one of {', '.join(ATTENTION)} (or both)")
+        parser.error(f"--attention: each of {', '.join(ways)} must be one of "
+                     f"{', '.join(ATTENTION)} (or both)")
     if len(ways) > 1:
-        medians = [attention_ways(path, tokenizer, name == "bf16", args.steps, args.algo, args.completion_len, ways)
+        medians = [attention_ways(path, tokenizer, name == "bf16", args.steps, args.algo,
+                                  args.completion_len, ways)
                    for name in dtypes][-1]
         dist.destroy_process_group()
         for way in ways[:-1]:
             print(f"{way}_vs_{ways[-1]}={medians[ways[-1]] / medians[way]:.2f}")
         return
     attend(ways[0])
-    cases = ([(False, torch.float32, False)] * ("fp32" in dtypes) + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
+    cases = ([(False, torch.float32, False)] * ("fp32" in dtypes)
+             + [(True, torch.bfloat16, False)] * ("bf16" in dtypes)
              + [(True, torch.bfloat16, True)] * args.compile)
     for autocast, dtype, compiled in cases:
         peak = matmul_peak_flops(dtype)
-        seconds, (trained, tokens), flops_per_token, config = measure(path, tokenizer, autocast, args.steps, args.algo,
-                                                                     compiled, args.completion_len)
+        seconds, (trained, tokens), flops_per_token, config = measure(
+            path, tokenizer, autocast, args.steps, args.algo, compiled, args.completion_len)
         ceiling = model_matmul_flops(config, tokens, dtype)
         achieved = flops_per_token * tokens / seconds
         name = ("bf16 autocast" if autocast else "fp32") + (" compiled" if compiled else "")
         print(f"{name:22s} {trained} tokens/step ({tokens} computed)  {seconds:.2f} s/step  "
               f"{trained / seconds:.0f} tokens/s  "
               f"{achieved / 1e9:.0f} GFLOP/s  peak {peak / 1e9:.0f} GFLOP/s  MFU {achieved / peak:.1%}  "
-              f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} GFLOP/s "
-              f"= {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")
+              f"({args.threads} threads, algo={args.algo}); this model's matmuls alone: {ceiling / 1e9:.0f} "
+              f"GFLOP/s = {ceiling / peak:.0%} of peak, the step reaches {achieved / ceiling:.0%} of that")
         if compiled:
             print(f"compiled vs eager bf16: {seconds_by / seconds:.2f}x")
         else:
-            mfu, seconds_by = achieved / peak, seconds  # the last line: eager bf16 (fp32 without it), as a run
+            # the last line: eager bf16 (fp32 without it), as a run
+            mfu, seconds_by = achieved / peak, seconds
     dist.destroy_process_group()
     if mfu is not None:
         print(f"mfu={mfu:.3f}")

@@ -41,8 +41,8 @@ def make_group(k: int, new_tokens: int, prompt_len: int) -> Group:
 
 
 def payload_bytes(group: Group) -> int:
-    return sum(t.nbytes for t in (group.prompt_ids, group.completion_ids, group.completion_lens, group.logprobs,
-                                  group.versions, group.rewards, group.truncated))
+    return sum(t.nbytes for t in (group.prompt_ids, group.completion_ids, group.completion_lens,
+                                  group.logprobs, group.versions, group.rewards, group.truncated))
 
 
 def _stream_groups(ring: TrajectoryRing, case: tuple, threads: int, stop):
@@ -121,7 +121,8 @@ def _publish(store: WeightStore, shapes: dict, threads: int, go, done, times: to
 
 
 def weight_times(ctx, reps: int, threads: int) -> tuple[list, list, float, int]:
-    """Seconds of each publish (other process) and read_into (this one), of one copy_ of the same bytes, and bytes."""
+    """Seconds of each publish (other process) and read_into (this one), of one copy_ of the same bytes, and
+    bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.loader import resolve
@@ -161,19 +162,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=1.0,
                         help="measured time of each of ring, handoff, copy_ per case")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (the default run's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process (the default run's)")
     parser.add_argument("--reps", type=int, default=5, help="weight publications")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ctx = mp.get_context("spawn")
 
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before this run; {args.threads} torch "
-          f"thread(s) per process")
-    print(f"ring: a producer process -> this process, {RING_SLOTS} slots; handoff: a bare shared buffer + semaphores, "
-          f"copy_ in, clone out; copy_: dst.copy_(src) of one group's bytes here. {args.seconds:g} s each, in turns")
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before this run; {args.threads} "
+          "torch thread(s) per process")
+    print(f"ring: a producer process -> this process, {RING_SLOTS} slots; handoff: a bare shared buffer + "
+          "semaphores, copy_ in, clone out; copy_: dst.copy_(src) of one group's bytes here. "
+          f"{args.seconds:g} s each, in turns")
     print(f"{'case':11s} {'K':>3s} {'new':>5s} {'prompt':>6s} {'bytes/group':>11s} {'groups/s':>9s} "
-          f"{'us/group':>8s} {'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} {'ring/handoff':>12s} "
-          f"{'ring/copy_':>10s}")
+          f"{'us/group':>8s} {'ring MB/s':>9s} {'copy_ MB/s':>10s} {'handoff MB/s':>12s} "
+          f"{'ring/handoff':>12s} {'ring/copy_':>10s}")
     for case in RING_CASES:
         name, k, new_tokens, prompt_len = case
         nbytes = payload_bytes(make_group(k, new_tokens, prompt_len))
@@ -185,7 +188,8 @@ def main():
               f"{ring / handoff:12.2f} {ring / copy:10.2f}")
 
     publish_s, read_s, memcpy_s, nbytes = weight_times(ctx, args.reps, args.threads)
-    # The first publish and read also map the shared pages into each process: steady state is the median after.
+    # The first publish and read also map the shared pages into each process: steady state is the median
+    # after.
     publish, read, memcpy = (statistics.median(times[1:]) for times in (publish_s, read_s, memcpy_s))
     print(f"weights: smollm2-135m fp32, {nbytes / 1e6:.0f} MB; publish in a child process, read_into here; "
           f"seconds per rep, then the median after the first")

@@ -1,4 +1,5 @@
-"""Trajectory transport between rollout workers and the trainer: shared-memory ring, staleness gate, replay."""
+"""Trajectory transport between rollout workers and the trainer: shared-memory ring, staleness gate,
+replay."""
 from buffer.ring import Group, TrajectoryRing
 from buffer.staleness import StalenessGate
 

@@ -1,6 +1,6 @@
-"""DAPO's dynamic sampling (Yu et al. 2025, `buffer.dynamic_sampling`): which fresh groups the learner drops because
-their K rewards all tie (zero advantage, nothing to learn), and what dropping them cost. The trainer hands each
-dropped group's budget back to the staleness gate, so a worker generates one more in its place.
+"""DAPO's dynamic sampling (Yu et al. 2025, `buffer.dynamic_sampling`): which fresh groups the learner drops
+because their K rewards all tie (zero advantage, nothing to learn), and what dropping them cost. The trainer
+hands each dropped group's budget back to the staleness gate, so a worker generates one more in its place.
 """
 import torch
 
@@ -28,7 +28,8 @@ class DynamicSampling:
         tokens = int((torch.arange(group.completion_ids.shape[1]) < group.completion_lens[:, None])
                      .logical_and(group.loss_mask).sum())  # sampled tokens: what generating it cost
         self.dropped.append(group)
-        self.step_tokens, self.total_drops, self.total_tokens = (self.step_tokens + tokens, self.total_drops + 1,
+        self.step_tokens, self.total_drops, self.total_tokens = (self.step_tokens + tokens,
+                                                                 self.total_drops + 1,
                                                                  self.total_tokens + tokens)
         return True
 
@@ -36,5 +37,5 @@ class DynamicSampling:
         if not self.on:
             return {}
         return {"dynamic/dropped_groups": len(self.dropped), "dynamic/dropped_tokens": self.step_tokens,
-                "dynamic/dropped_groups_total": self.total_drops, "dynamic/dropped_tokens_total": self.total_tokens,
-                "dynamic/gave_up": self.gave_up}
+                "dynamic/dropped_groups_total": self.total_drops,
+                "dynamic/dropped_tokens_total": self.total_tokens, "dynamic/gave_up": self.gave_up}

@@ -40,7 +40,8 @@ class Completion:
 
 
 class ReplayBuffer:
-    def __init__(self, sampler: str, recent_prob: float, inv_temp: float, per_prompt_capacity: int, seed: int):
+    def __init__(self, sampler: str, recent_prob: float, inv_temp: float, per_prompt_capacity: int,
+                 seed: int):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r} is unknown; use one of: {', '.join(SAMPLERS)}")
         if not 0.0 <= recent_prob <= 1.0:
@@ -56,19 +57,23 @@ class ReplayBuffer:
         self._group_size: int | None = None  # K, fixed by the first group
         self._fresh: deque[Group] = deque()
         self._prompt_ids: dict[int, torch.Tensor] = {}
-        # Per prompt, completions keyed by their token ids; dicts keep insertion order, so the first is the oldest.
+        # Per prompt, completions keyed by their token ids; dicts keep insertion order, so the first is the
+        # oldest.
         self._history: dict[int, dict[tuple[int, ...], Completion]] = {}
-        self._replayable: list[int] = []  # prompts holding >= K completions; never shrinks since capacity >= K
+        # prompts holding >= K completions; never shrinks since capacity >= K
+        self._replayable: list[int] = []
         self._next_id = -1
         self._duplicates = 0
-        self._expired = 0  # fresh groups that grew too old before they were sampled (tba keeps them as history)
+        # fresh groups that grew too old before they were sampled (tba keeps them as history)
+        self._expired = 0
         self._last: dict[str, float] = dict.fromkeys(
             ("buffer/size", "buffer/age_mean", "buffer/age_max", "buffer/recent_frac", "buffer/prompts",
              "buffer/history"), 0.0)
 
     @classmethod
     def from_config(cls, buffer, sampler: str, seed: int) -> "ReplayBuffer":
-        """From the config's buffer section; `sampler`: fifo or tba, `buffer.sampler=auto` already resolved."""
+        """From the config's buffer section; `sampler`: fifo or tba, `buffer.sampler=auto` already
+        resolved."""
         return cls(sampler, buffer.recent_prob, buffer.inv_temp, buffer.per_prompt_capacity, seed)
 
     def __len__(self) -> int:
@@ -79,8 +84,8 @@ class ReplayBuffer:
         k = group.completion_ids.shape[0]
         if self._group_size is None:
             if self.sampler == "tba" and self.per_prompt_capacity < k:
-                raise ValueError(f"per_prompt_capacity={self.per_prompt_capacity} is below the group size {k}; "
-                                 "replay could never fill a group, raise it")
+                raise ValueError(f"per_prompt_capacity={self.per_prompt_capacity} is below the group size "
+                                 f"{k}; replay could never fill a group, raise it")
             self._group_size = k
         elif k != self._group_size:
             raise ValueError(f"every group must hold {self._group_size} completions, got one with {k}")
@@ -109,8 +114,9 @@ class ReplayBuffer:
             history[key] = Completion(
                 token_ids=group.completion_ids[i, :n].clone(), logprobs=group.logprobs[i, :n].clone(),
                 versions=group.versions[i, :n].clone(), reward=float(group.rewards[i]),
-                truncated=bool(group.truncated[i]), added_at=version, loss_mask=group.loss_mask[i, :n].clone(),
-                turn_ids=group.turn_ids[i, :n].clone(), turns=int(group.turns[i]), finish=int(group.finish[i]))
+                truncated=bool(group.truncated[i]), added_at=version,
+                loss_mask=group.loss_mask[i, :n].clone(), turn_ids=group.turn_ids[i, :n].clone(),
+                turns=int(group.turns[i]), finish=int(group.finish[i]))
             if len(history) > self.per_prompt_capacity:
                 del history[next(iter(history))]
         if before < self._group_size <= len(history):
@@ -119,7 +125,8 @@ class ReplayBuffer:
     def ready(self, n: int) -> bool:
         """True when sample(n) can be served now: n fresh groups, or (tba) any prompt to replay from.
 
-        With replayable history tba is always ready; a learner that wants fresh data must wait on len() itself.
+        With replayable history tba is always ready; a learner that wants fresh data must wait on len()
+        itself.
         """
         return len(self._fresh) >= n or (self.sampler == "tba" and bool(self._replayable))
 
@@ -128,7 +135,8 @@ class ReplayBuffer:
         if n < 1:
             raise ValueError(f"sample(n={n}) needs n >= 1")
         if not self.ready(n):
-            raise RuntimeError(f"sample({n}) cannot be served: {len(self._fresh)} fresh groups; check ready(n) first")
+            raise RuntimeError(f"sample({n}) cannot be served: {len(self._fresh)} fresh groups; "
+                               "check ready(n) first")
         groups, fresh = [], 0
         for _ in range(n):
             want_fresh = self.sampler == "fifo" or self._rng.random() < self.recent_prob
@@ -165,7 +173,8 @@ class ReplayBuffer:
             out = torch.zeros(k, width, dtype=dtype)
             for row, (c, length) in enumerate(zip(picked, lens)):
                 value = getattr(c, name)
-                out[row, :length] = missing if value is None else value  # None: a checkpoint from before masks
+                # None: a checkpoint from before masks
+                out[row, :length] = missing if value is None else value
             return out
 
         group = Group(
@@ -184,7 +193,8 @@ class ReplayBuffer:
         return group
 
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: tensors and plain values only (safe for weights_only loads)."""
+        """Everything needed to continue exactly: tensors and plain values only (safe for weights_only
+        loads)."""
         return {
             "rng": self._rng.getstate(), "gen": self._gen.get_state(), "group_size": self._group_size,
             "fresh": [vars(g).copy() for g in self._fresh], "prompt_ids": dict(self._prompt_ids),
@@ -202,7 +212,8 @@ class ReplayBuffer:
         self._history = {p: {tuple(c["token_ids"].tolist()): Completion(**c) for c in h}
                          for p, h in state["history"].items()}
         self._replayable = list(state["replayable"])
-        self._next_id, self._duplicates, self._last = state["next_id"], state["duplicates"], dict(state["last"])
+        self._next_id, self._duplicates, self._last = (state["next_id"], state["duplicates"],
+                                                       dict(state["last"]))
         self._expired = state.get("expired", 0)  # a checkpoint from before the count
 
     def stats(self) -> dict[str, float]:

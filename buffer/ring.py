@@ -1,4 +1,5 @@
-"""A fixed-slot shared-memory ring of trajectory groups: many producers, one consumer, back-pressure when full.
+"""A fixed-slot shared-memory ring of trajectory groups: many producers, one consumer, back-pressure when
+full.
 
 Each producer (rollout worker) owns a lane of slots that only it fills, so producers never contend and no lock
 is shared: a producer killed at any instant holds nothing that could block the others. A slot goes FREE ->
@@ -6,9 +7,9 @@ WRITING -> READY in its producer and READY -> FREE in the consumer, each step on
 process allowed to make it (or by `reclaim` once that producer is dead). The producer copies the group into
 the slot as one byte record, writes its sizes and publish time, then marks it READY; the consumer takes the
 READY slot published first (FIFO across lanes), copies the fields out and frees the slot. Only
-semaphores cross process boundaries; the data is never pickled. Each process touches the shared tensors through
-numpy views: a numpy scalar store or small copy costs a tenth of a torch call, and a group's fixed cost is a
-few dozen such calls.
+semaphores cross process boundaries; the data is never pickled. Each process touches the shared tensors
+through numpy views: a numpy scalar store or small copy costs a tenth of a torch call, and a group's fixed
+cost is a few dozen such calls.
 
 Semaphores count slots (FREE per lane, READY overall) so that waiting never spins, but the states are the
 truth: a waiter that wakes to find nothing waits again. After a producer dies, the launcher calls
@@ -34,18 +35,19 @@ PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID, PUBLISHED_NS = range(6)
 # A slot holds one group as a single byte record, so a put and a get each copy it in one call. The int64
 # fields come first, then float32, then bool: every field starts aligned for its dtype.
 FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("completion_lens", torch.int64),
-          ("versions", torch.int64), ("turn_ids", torch.int64), ("turns", torch.int64), ("finish", torch.int64),
-          ("logprobs", torch.float32), ("rewards", torch.float32), ("truncated", torch.bool), ("loss_mask", torch.bool))
-# Why an episode ended (Group.finish holds the index): its environment said done; it reached env.max_turns; its
-# last turn was cut by the episode's token budget (rollout.max_new_tokens); the next observation and a turn no
-# longer fit that budget (context); the environment raised; an environment step or the episode ran out of time.
-# A one-shot completion ends "done" on a stop token and "budget" at max_new_tokens.
+          ("versions", torch.int64), ("turn_ids", torch.int64), ("turns", torch.int64),
+          ("finish", torch.int64), ("logprobs", torch.float32), ("rewards", torch.float32),
+          ("truncated", torch.bool), ("loss_mask", torch.bool))
+# Why an episode ended (Group.finish holds the index): its environment said done; it reached env.max_turns;
+# its last turn was cut by the episode's token budget (rollout.max_new_tokens); the next observation and a
+# turn no longer fit that budget (context); the environment raised; an environment step or the episode ran out
+# of time. A one-shot completion ends "done" on a stop token and "budget" at max_new_tokens.
 FINISH_REASONS = ("done", "max_turns", "budget", "context", "env_error", "env_timeout")
 
 
 # Group fields with one entry (or row) per completion
-PER_COMPLETION = ("completion_ids", "completion_lens", "logprobs", "versions", "rewards", "truncated", "loss_mask",
-                  "turn_ids", "turns", "finish")
+PER_COMPLETION = ("completion_ids", "completion_lens", "logprobs", "versions", "rewards", "truncated",
+                  "loss_mask", "turn_ids", "turns", "finish")
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
@@ -81,14 +83,17 @@ class Group:
     prompt_ids: torch.Tensor  # int64 [P], true prompt length, no padding
     completion_ids: torch.Tensor  # int64 [K, N], right-padded with 0
     completion_lens: torch.Tensor  # int64 [K]
-    logprobs: torch.Tensor  # float32 [K, N], behaviour logprobs; 0 in padding and where the policy sampled nothing
-    versions: torch.Tensor  # int64 [K, N], the policy version that sampled each token; -1 where none, 0 in padding
+    # float32 [K, N], behaviour logprobs; 0 in padding and where the policy sampled nothing
+    logprobs: torch.Tensor
+    # int64 [K, N], the policy version that sampled each token; -1 where none, 0 in padding
+    versions: torch.Tensor
     rewards: torch.Tensor  # float32 [K]
     truncated: torch.Tensor  # bool [K], hit max_new_tokens without a stop token
     prompt_index: int
     group_id: int
     worker_id: int  # the producer's lane in the ring
-    loss_mask: torch.Tensor | None = None  # bool [K, N], True on tokens the policy sampled (None: every valid token)
+    # bool [K, N], True on tokens the policy sampled (None: every valid token)
+    loss_mask: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None  # int64 [K, N], the turn (0, 1, ...) each token belongs to (None: 0)
     turns: torch.Tensor | None = None  # int64 [K], policy turns in the episode (None: 1)
     finish: torch.Tensor | None = None  # int64 [K], index into FINISH_REASONS (None: from `truncated`)
@@ -105,7 +110,8 @@ class Group:
             self.finish = torch.where(self.truncated, FINISH_REASONS.index("budget"), 0).to(torch.int64)
 
     def select(self, index: list[int]) -> "Group":
-        """The same group with only the completions at `index`, in that order (a rule that reads a few of them)."""
+        """The same group with only the completions at `index`, in that order (a rule that reads a few of
+        them)."""
         rows = torch.tensor(index, dtype=torch.long)
         return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in PER_COMPLETION})
 
@@ -138,15 +144,18 @@ class TrajectoryRing:
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         S = self.num_slots
         record_bytes = sum(_sizes(_shapes(max_prompt_len, group_size, max_new_tokens)))
-        self._records = _shared(S, math.ceil(record_bytes / 8) * 8, dtype=torch.uint8)  # every record 8-byte aligned
+        # every record 8-byte aligned
+        self._records = _shared(S, math.ceil(record_bytes / 8) * 8, dtype=torch.uint8)
         self._meta = _shared(S, 6, dtype=torch.int64)
         self._state = _shared(S, dtype=torch.int64)
-        self._free = [ctx.Semaphore(self.lane_slots) for _ in range(num_producers)]  # a full lane blocks its producer
+        # a full lane blocks its producer
+        self._free = [ctx.Semaphore(self.lane_slots) for _ in range(num_producers)]
         self._ready = ctx.Semaphore(0)  # the consumer blocks here while nothing is READY
         self._views()
 
     def _views(self) -> None:
-        self._records_np, self._meta_np, self._state_np = (t.numpy() for t in (self._records, self._meta, self._state))
+        self._records_np, self._meta_np, self._state_np = (t.numpy()
+                                                           for t in (self._records, self._meta, self._state))
 
     def __getstate__(self) -> dict:
         # numpy arrays pickle by value: a child gets the shared tensors and makes its own views of them.
@@ -186,7 +195,8 @@ class TrajectoryRing:
         return True
 
     def get(self, timeout: float | None = None) -> Group | None:
-        """Take the oldest published group (single consumer). Its tensors are copies; the slot is freed at once."""
+        """Take the oldest published group (single consumer). Its tensors are copies; the slot is freed at
+        once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if not self._ready.acquire(timeout=_left(deadline)):
@@ -214,7 +224,8 @@ class TrajectoryRing:
 
     def reclaim(self, worker_id: int) -> int:
         """After producer `worker_id` died (call only once its process is gone, before a replacement starts):
-        free the slots it was writing, keep the groups it published. Returns how many partial groups were dropped."""
+        free the slots it was writing, keep the groups it published. Returns how many partial groups were
+        dropped."""
         lane = self._state[self._lane(worker_id)]
         writing = lane == WRITING
         lane[writing] = FREE
@@ -233,13 +244,15 @@ class TrajectoryRing:
         if group.completion_ids.dim() != 2 or group.completion_ids.shape[0] != K:
             raise ValueError(f"completion_ids must be [K={K}, N], got {tuple(group.completion_ids.shape)}")
         if N > self.max_new_tokens:
-            raise ValueError(f"completions of {N} tokens exceed the ring's max_new_tokens={self.max_new_tokens}")
+            raise ValueError(f"completions of {N} tokens exceed the ring's "
+                             f"max_new_tokens={self.max_new_tokens}")
         if group.prompt_ids.dim() != 1 or group.prompt_ids.shape[0] > self.max_prompt_len:
             raise ValueError(f"prompt of shape {tuple(group.prompt_ids.shape)} "
                              f"exceeds max_prompt_len={self.max_prompt_len}")
         for name in ("logprobs", "versions", "loss_mask", "turn_ids"):
             if getattr(group, name).shape != group.completion_ids.shape:
-                raise ValueError(f"{name} must have the shape of completion_ids {tuple(group.completion_ids.shape)}")
+                raise ValueError(f"{name} must have the shape of completion_ids "
+                                 f"{tuple(group.completion_ids.shape)}")
         for name in ("completion_lens", "rewards", "truncated", "turns", "finish"):
             if getattr(group, name).shape != (K,):
                 raise ValueError(f"{name} must have shape [K={K}], got {tuple(getattr(group, name).shape)}")

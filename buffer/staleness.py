@@ -1,6 +1,6 @@
-"""Staleness, the one place it is defined: how old a group is, when it is too old, and the gate that bounds how
-far generation may run ahead of training (AReaL, eta = max_staleness). The learner, the replay buffer and the
-launcher's ring sizing ask this module rather than restating the rule.
+"""Staleness, the one place it is defined: how old a group is, when it is too old, and the gate that bounds
+how far generation may run ahead of training (AReaL, eta = max_staleness). The learner, the replay buffer and
+the launcher's ring sizing ask this module rather than restating the rule.
 
 With B groups per training batch and policy version v (batches trained on: the weights are published once a
 batch, however many optimizer steps train.epochs x train.minibatches make of it), at most (eta + v + 1) * B
@@ -22,7 +22,8 @@ STARTED, VERSION = 0, 1
 
 
 def lag(group, version: int) -> int:
-    """How many policy versions the group's oldest token is behind `version` (the learner's, about to train)."""
+    """How many policy versions the group's oldest token is behind `version` (the learner's, about to
+    train)."""
     return version - group.min_version()
 
 
@@ -43,19 +44,22 @@ def lane_slots(max_staleness: int, batch_groups: int) -> int:
 
 
 def engine_slots(max_staleness: int, batch_groups: int, group_size: int, max_batch: int) -> int:
-    """Sequences one rollout worker's engine may decode at once: rollout.max_batch, but never more than the bound
-    lets be in flight, (max_staleness + 1) * B groups of K. A slot past that would never fill, and its KV cache
-    (max_prompt_len + max_new_tokens a slot) would only take memory: 445 MB of GSM8K's 64 slots at eta = 0.
+    """Sequences one rollout worker's engine may decode at once: rollout.max_batch, but never more than the
+    bound lets be in flight, (max_staleness + 1) * B groups of K. A slot past that would never fill, and its
+    KV cache (max_prompt_len + max_new_tokens a slot) would only take memory: 445 MB of GSM8K's 64 slots at
+    eta = 0.
     A multi-turn episode's parked slot is one of its group's K."""
     return min(max_batch, started_limit(0, max_staleness, batch_groups) * group_size)
 
 
 class StalenessGate:
-    """AReaL's bound: a worker may start a new group only while groups_started + 1 <= started_limit(version)."""
+    """AReaL's bound: a worker may start a new group only while
+    groups_started + 1 <= started_limit(version)."""
 
     def __init__(self, batch_groups: int, max_staleness: int, ctx=None, version: int = 0):
         if batch_groups < 1 or max_staleness < 0:
-            raise ValueError(f"need batch_groups >= 1 and max_staleness >= 0, got {batch_groups}, {max_staleness}")
+            raise ValueError("need batch_groups >= 1 and max_staleness >= 0, got "
+                             f"{batch_groups}, {max_staleness}")
         ctx = ctx or mp.get_context("spawn")
         self.batch_groups, self.max_staleness = batch_groups, max_staleness
         # A resumed run at version v has had exactly v * B groups delivered: that is its starting budget use.
@@ -98,7 +102,8 @@ class StalenessGate:
         return True
 
     def cancel(self, n: int = 1) -> None:
-        """n started groups will never be delivered (dropped as too stale, or lost): give their budget back."""
+        """n started groups will never be delivered (dropped as too stale, or lost): give their budget
+        back."""
         with self._lock:
             if n > int(self._counts[STARTED]):
                 raise ValueError(f"cannot cancel {n} groups: only {self.started} were started")
@@ -114,7 +119,8 @@ class StalenessGate:
         if self._lock.acquire(timeout=1.0):
             self._lock.release()
             return False
-        self._lock.release()  # held for a whole second by a section that takes microseconds: its holder is dead
+        # held for a whole second by a section that takes microseconds: its holder is dead
+        self._lock.release()
         return True
 
 
@@ -122,11 +128,11 @@ GRANTED = 1
 
 
 class LeaseGate(StalenessGate):
-    """A generator node's gate (cluster=ray, launch/ray_nodes.py): its rollout workers start groups out of starts
-    leased from the trainer node's StalenessGate, so the bound stays exact across nodes. The node's agent adds
-    what the trainer node granted (`grant`); a start uses one; `cancel` (a dead worker's unfinished groups)
-    gives starts back to the lease, to be used again. The trainer node counts a lease as started groups: those
-    never delivered go back to its gate when the node is lost."""
+    """A generator node's gate (cluster=ray, launch/ray_nodes.py): its rollout workers start groups out of
+    starts leased from the trainer node's StalenessGate, so the bound stays exact across nodes. The node's
+    agent adds what the trainer node granted (`grant`); a start uses one; `cancel` (a dead worker's unfinished
+    groups) gives starts back to the lease, to be used again. The trainer node counts a lease as started
+    groups: those never delivered go back to its gate when the node is lost."""
 
     def __init__(self, ctx=None):
         ctx = ctx or mp.get_context("spawn")

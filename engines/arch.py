@@ -23,8 +23,9 @@ def architecture(config) -> str:
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if name is None or getattr(config, "is_encoder_decoder", False):
         found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
-        raise ValueError(f"model.path is a {config.model_type} model ({found}), not a causal LM: ringrl trains "
-                         "decoder-only models that AutoModelForCausalLM loads (Llama, Qwen, Mistral, Gemma, Phi, ...)")
+        raise ValueError(f"model.path is a {config.model_type} model ({found}), not a causal LM: ringrl "
+                         "trains decoder-only models that AutoModelForCausalLM loads (Llama, Qwen, Mistral, "
+                         "Gemma, Phi, ...)")
     return name
 
 
@@ -37,12 +38,13 @@ def engine_path(config, max_len: int | None = None) -> tuple[str, str]:
         return "fast", name
     kinds = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
     if kinds:
-        raise ValueError(f"{name} has {', '.join(sorted(kinds))} layers; the built-in engine runs full-attention "
-                         f"layers only (fast path: {', '.join(SUPPORTED)}): pick another model")
+        raise ValueError(f"{name} has {', '.join(sorted(kinds))} layers; the built-in engine runs "
+                         f"full-attention layers only (fast path: {', '.join(SUPPORTED)}): "
+                         "pick another model")
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and max_len and window < max_len:
-        raise ValueError(f"{name} attends within a sliding window of {window} tokens < max_len={max_len}; lower "
-                         f"rollout.max_new_tokens (or rollout.max_prompt_len) to fit {window}")
+        raise ValueError(f"{name} attends within a sliding window of {window} tokens < max_len={max_len}; "
+                         f"lower rollout.max_new_tokens (or rollout.max_prompt_len) to fit {window}")
     return "fallback", name
 
 
@@ -56,13 +58,14 @@ def _check_head(name: str, config) -> None:
     for key in ("logit_scale", "logits_scaling"):
         scale = getattr(config, key, None)
         if scale not in (None, 1, 1.0):
-            raise ValueError(f"{name} scales its logits ({key}={scale}), which the trainer's log-prob head does "
-                             "not; pick a model without it")
+            raise ValueError(f"{name} scales its logits ({key}={scale}), which the trainer's log-prob head "
+                             "does not; pick a model without it")
 
 
 def forward_for(model, dtype: torch.dtype, max_len: int, device: torch.device, fallback: bool = False):
-    """The engine's forward for `model`: the fast path where it applies (unless `fallback`: benchmarks and tests
-    compare the two), else the fallback on a copy (the engine owns its weights; `model` may belong to a trainer)."""
+    """The engine's forward for `model`: the fast path where it applies (unless `fallback`: benchmarks and
+    tests compare the two), else the fallback on a copy (the engine owns its weights; `model` may belong to a
+    trainer)."""
     path, _ = engine_path(model.config, max_len)
     if path == "fast" and not fallback:
         return Llama(model, dtype, max_len, device)

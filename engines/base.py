@@ -1,4 +1,5 @@
-"""What every generation engine speaks, whatever it runs on: requests in, completions out, weights between steps.
+"""What every generation engine speaks, whatever it runs on: requests in, completions out, weights between
+steps.
 
 The vocabulary (`SamplingParams`, `Request`, `Completion`) and the two roles an engine plays are written here,
 so that the rollout worker, the evaluation and the launcher depend on this file and never on one engine:
@@ -22,8 +23,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept; 1 keeps the full vocabulary
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
-    # Text that ends a sequence as a stop token does (a tool call's closing tag, `</calc>`), matched on the text of
-    # the tokens sampled so far; the engine needs the text of every token id first (`Engine.use_vocabulary`).
+    # Text that ends a sequence as a stop token does (a tool call's closing tag, `</calc>`), matched on the
+    # text of the tokens sampled so far; the engine needs the text of every token id first
+    # (`Engine.use_vocabulary`).
     stop_strings: tuple[str, ...] = ()
 
 
@@ -32,10 +34,10 @@ class Request:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    # Multi-turn episodes: `park` keeps the finished sequence's cache (its slot stays parked, evicted oldest first
-    # when a slot is needed); `resume` names a parked request whose prompt and tokens begin this prompt, so only
-    # the new tokens are prefilled. A resume whose sequence was evicted is a full prefill: correct, slower.
-    # Engines without slots of their own (SGLang, whose radix cache finds the prefix) may ignore both.
+    # Multi-turn episodes: `park` keeps the finished sequence's cache (its slot stays parked, evicted oldest
+    # first when a slot is needed); `resume` names a parked request whose prompt and tokens begin this prompt,
+    # so only the new tokens are prefilled. A resume whose sequence was evicted is a full prefill: correct,
+    # slower. Engines without slots of their own (SGLang, whose radix cache finds the prefix) may ignore both.
     park: bool = False
     resume: int | None = None
 
@@ -56,7 +58,8 @@ def check_request(request: Request, max_len: int | None = None) -> None:
     if n_prompt == 0:
         raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token")
     if params.max_new_tokens < 1:
-        raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        raise ValueError(f"request {request.request_id}: max_new_tokens must be >= 1, "
+                         f"got {params.max_new_tokens}")
     if max_len is not None and n_prompt + params.max_new_tokens > max_len:
         raise ValueError(f"request {request.request_id}: prompt {n_prompt} + max_new_tokens "
                          f"{params.max_new_tokens} > max_len {max_len}; raise max_len or shorten it")
@@ -71,9 +74,10 @@ def completes_stop_string(text: str, piece: str, stop_strings: tuple[str, ...]) 
     return any(stop in tail for stop in stop_strings)
 
 
-def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...], vocabulary: list[str]) -> Completion:
-    """`completion` ended at the first token whose text completes a stop string (reason "stop"): for an engine that
-    cannot stop on text itself, at the price of the tokens it sampled past it."""
+def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...],
+                       vocabulary: list[str]) -> Completion:
+    """`completion` ended at the first token whose text completes a stop string (reason "stop"): for an engine
+    that cannot stop on text itself, at the price of the tokens it sampled past it."""
     if not stop_strings:
         return completion
     text = ""
@@ -87,7 +91,8 @@ def cut_at_stop_string(completion: Completion, stop_strings: tuple[str, ...], vo
 
 
 def run_to_completion(engine: "Engine", requests: list[Request]) -> list[Completion]:
-    """Every engine's `generate`: `requests` through add/step on an idle engine, completions in request order."""
+    """Every engine's `generate`: `requests` through add/step on an idle engine, completions in request
+    order."""
     if engine.num_running() or engine.num_waiting():
         raise ValueError("generate() needs an idle engine; drive it with add()/step() when mixing requests")
     if len({r.request_id for r in requests}) != len(requests):
@@ -123,7 +128,8 @@ class Engine(Protocol):
     def num_waiting(self) -> int: ...
 
     def free_slots(self) -> int:
-        """Sequences that could start decoding now (parked ones count: they are evicted when a slot is needed)."""
+        """Sequences that could start decoding now (parked ones count: they are evicted when a slot is
+        needed)."""
         ...
 
     def use_vocabulary(self, texts: list[str]) -> None:
@@ -145,8 +151,8 @@ class Engine(Protocol):
         ...
 
     def load_bucket(self, message) -> None:
-        """One bucket of the version (engines/buckets.py `BucketMessage`), its payloads in the form this engine
-        kind's spec asked for (`EngineSpec.bucket_payloads`)."""
+        """One bucket of the version (engines/buckets.py `BucketMessage`), its payloads in the form this
+        engine kind's spec asked for (`EngineSpec.bucket_payloads`)."""
         ...
 
     def adopt_weights(self, version: int) -> list[Completion]:
@@ -156,15 +162,17 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineSpec(Protocol):
-    """How a rollout process builds its engine: picklable, so it crosses the spawn; the engine itself does not.
-    What the kind of engine can do is said here, as class attributes, so a plan asks its spec and never its name."""
+    """How a rollout process builds its engine: picklable, so it crosses the spawn; the engine itself does
+    not. What the kind of engine can do is said here, as class attributes, so a plan asks its spec and never
+    its name."""
     plans: tuple[str, ...]  # the device plans it runs on: cpu, gpu
     requires: str | None  # the package it needs beyond PyTorch (None: none), and how to install it
     install: str
     preference: int  # rollout.engine=auto takes the highest installed one a plan can run
     tensor_parallel: bool  # one engine over several GPUs (cluster.tp_size > 1)
     nccl_weights: bool  # takes weights by an NCCL broadcast from trainer rank 0 (cluster.weight_sync=nccl)
-    stop_strings: bool  # stops on text itself; else its completions are cut after the text (cut_at_stop_string)
+    # stops on text itself; else its completions are cut after the text (cut_at_stop_string)
+    stop_strings: bool
 
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str) -> "EngineSpec":
@@ -173,7 +181,8 @@ class EngineSpec(Protocol):
 
     @classmethod
     def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "EngineSpec":
-        """Where the GPU plan puts worker `worker`'s engine (launch/gpu.py `GPUPlan`: its layout and settings)."""
+        """Where the GPU plan puts worker `worker`'s engine (launch/gpu.py `GPUPlan`: its layout and
+        settings)."""
         ...
 
     @staticmethod
@@ -187,16 +196,16 @@ class EngineSpec(Protocol):
         ...
 
     def bucket_payloads(self, flat, slots: list, tp_size: int) -> list:
-        """How a weight bucket must travel to this kind of engine, one payload per TP rank (run by trainer rank 0,
-        as a static method: the GPU plan's weight path asks the spec, not the engine's name)."""
+        """How a weight bucket must travel to this kind of engine, one payload per TP rank (run by trainer
+        rank 0, as a static method: the GPU plan's weight path asks the spec, not the engine's name)."""
         ...
 
 
 @runtime_checkable
 class WeightPath(Protocol):
-    """From the trainer ranks to every engine, once per published batch (a policy version). Built by the launcher
-    before the first spawn and handed to every process; a trainer rank takes the publisher end, a rollout worker
-    the follower."""
+    """From the trainer ranks to every engine, once per published batch (a policy version). Built by the
+    launcher before the first spawn and handed to every process; a trainer rank takes the publisher end, a
+    rollout worker the follower."""
 
     def publisher(self, policy, lead: bool, stop) -> Callable[[Iterable, int], None]:
         """`publish(named_tensors, version)`: every rank calls it with the full weights (gathering them is a

@@ -2,10 +2,10 @@
 queues between them: the neutral vocabulary of `engines/weight_sync.py`, of every engine's `load_bucket`
 (`engines/builtin.py`, `engines/sglang.py`) and of the trainer's names (`engine_name`).
 
-Every trainer rank walks the full weights in the same order (their gathers are collectives: trainer/gather.py);
-rank 0 casts each full weight, in the engines' dtype and under the engine's name, into a flat bucket of at most
-`bucket_bytes`: the tensors' bytes back to back, in order, no padding (the layout of SGLang's
-`FlattenedTensorBucket`).
+Every trainer rank walks the full weights in the same order (their gathers are collectives:
+trainer/gather.py); rank 0 casts each full weight, in the engines' dtype and under the engine's name, into a
+flat bucket of at most `bucket_bytes`: the tensors' bytes back to back, in order, no padding (the layout of
+SGLang's `FlattenedTensorBucket`).
 """
 import queue
 import time
@@ -28,8 +28,10 @@ def engine_name(name: str) -> str:
     return ".".join(parts)
 
 
-def engine_weights(named: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(engine name, full tensor) for every floating-point weight; a collective under FSDP2 (all ranks call it).
+def engine_weights(named: Iterable[tuple[str, torch.Tensor]],
+                   tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(engine name, full tensor) for every floating-point weight; a collective under FSDP2
+    (all ranks call it).
 
     With tied embeddings the engine's lm_head *is* embed_tokens, so lm_head.weight is not sent."""
     for name, value in named:
@@ -50,7 +52,8 @@ class Slot:
 
 
 def plan_buckets(specs: Iterable[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int) -> list[list[Slot]]:
-    """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes`; a bigger tensor gets its own."""
+    """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes`; a bigger tensor gets its
+    own."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets: list[list[Slot]] = []
@@ -72,8 +75,8 @@ def weight_specs(named: Iterable[tuple[str, torch.Tensor]], tied: bool, dtype: t
 
 
 def pack(slot: Slot, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Copy `tensor` (cast to the slot's dtype) into its byte range of the uint8 `buffer`: one kernel, which casts
-    as it writes, with no cast or contiguous copy on the way."""
+    """Copy `tensor` (cast to the slot's dtype) into its byte range of the uint8 `buffer`: one kernel, which
+    casts as it writes, with no cast or contiguous copy on the way."""
     assert tensor.shape == slot.shape, (slot.name, tensor.shape, slot.shape)
     buffer[slot.start:slot.end].view(slot.dtype).view(slot.shape).copy_(tensor.detach())
 
@@ -84,9 +87,9 @@ def unpack(flat: torch.Tensor, slots: list[Slot]) -> list[tuple[str, torch.Tenso
 
 
 class Stopwatch:
-    """Seconds per phase of a weight push, added into `phases` when it is given (a benchmark's timings); without
-    it a lap is one test and nothing more. On a GPU each lap first waits for the device, so that the kernels a
-    phase queued count in that phase: it slows the push it times."""
+    """Seconds per phase of a weight push, added into `phases` when it is given (a benchmark's timings);
+    without it a lap is one test and nothing more. On a GPU each lap first waits for the device, so that the
+    kernels a phase queued count in that phase: it slows the push it times."""
 
     def __init__(self, phases: dict[str, float] | None = None, device=None):
         self.phases = phases
@@ -104,13 +107,16 @@ class Stopwatch:
 
 
 def send_buckets(tensors: Iterable[tuple[str, torch.Tensor]], buckets: list[list[Slot]], device,
-                 ship: Callable[[int, torch.Tensor, list[Slot]], None], clock: Stopwatch | None = None) -> None:
-    """Fill a flat bucket on `device` from the (name, tensor) stream and call ship(index, flat, slots), per bucket.
+                 ship: Callable[[int, torch.Tensor, list[Slot]], None],
+                 clock: Stopwatch | None = None) -> None:
+    """Fill a flat bucket on `device` from the (name, tensor) stream and call ship(index, flat, slots), per
+    bucket.
 
-    A fresh bucket each time, not one reused buffer: torch keeps memory shared over CUDA IPC out of reuse until
-    every process that mapped it has released it, after syncing its stream, so a late GPU copy in an engine
-    never reads the next bucket's bytes. Ranks other than 0 pass device=None: they only join the gathers.
-    clock: laps "alloc" (a fresh bucket), "gather" (the stream's next tensor) and "pack"; `ship` laps its own."""
+    A fresh bucket each time, not one reused buffer: torch keeps memory shared over CUDA IPC out of reuse
+    until every process that mapped it has released it, after syncing its stream, so a late GPU copy in an
+    engine never reads the next bucket's bytes. Ranks other than 0 pass device=None: they only join the
+    gathers. clock: laps "alloc" (a fresh bucket), "gather" (the stream's next tensor) and "pack"; `ship` laps
+    its own."""
     clock = clock or Stopwatch()
     stream = iter(tensors)
     for i, slots in enumerate(buckets):
@@ -135,7 +141,8 @@ class BucketMessage:
     index: int
     last: bool  # the engine flushes its cache and adopts `version` after this one
     slots: list[Slot]
-    payloads: list | None  # IPC: one serialized bucket per TP rank of the engine; None: an NCCL broadcast follows
+    # IPC: one serialized bucket per TP rank of the engine; None: an NCCL broadcast follows
+    payloads: list | None
 
 
 class WeightChannel:
@@ -158,7 +165,8 @@ class WeightChannel:
         self.acks.put((engine, version, index))
 
     def wait_acks(self, version: int, index: int, count: int, stop=None, timeout_s: float = 600.0) -> None:
-        """Block until `count` engines acked bucket `index` of `version` (have loaded it), or `stop` is set."""
+        """Block until `count` engines acked bucket `index` of `version` (have loaded it), or `stop` is
+        set."""
         seen, deadline = set(), time.time() + timeout_s
         while len(seen) < count:
             if stop is not None and stop.is_set():

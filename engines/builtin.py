@@ -5,9 +5,9 @@
 
 Or drive it yourself: `add()` requests, call `step()` (admit + one decode step) and collect what
 finishes. Between steps a rollout worker may `.copy_()` new weights into `weight_tensors()` and then call
-`adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. (On a bf16 CPU
-the matmuls read blocked copies of the weights: `adopt_weights` drops them, and the next step makes them from the
-new weights; `set_version` alone would leave them on the old ones.)
+`adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. (On a bf16
+CPU the matmuls read blocked copies of the weights: `adopt_weights` drops them, and the next step makes them
+from the new weights; `set_version` alone would leave them on the old ones.)
 """
 import heapq
 from collections import OrderedDict, deque
@@ -34,11 +34,14 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: str = ""  # what the tokens read as, kept only for stop strings
-    # The weights its prompt's cache was computed with (the engine's `weights_seen` then); None: a continuation,
-    # whose cache holds earlier turns, possibly under older weights. Only a current prompt cache is copied.
+    # The weights its prompt's cache was computed with (the engine's `weights_seen` then); None: a
+    # continuation, whose cache holds earlier turns, possibly under older weights. Only a current prompt cache
+    # is copied.
     prompt_weights: int | None = None
-    fed: int = 0  # decode steps launched for it: its tokens, and one more while the static step's result is unread
-    prefix: tuple[int, ...] = field(init=False, repr=False)  # what prefill caches: the prompt but its last token
+    # decode steps launched for it: its tokens, and one more while the static step's result is unread
+    fed: int = 0
+    # what prefill caches: the prompt but its last token
+    prefix: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
         self.prefix = tuple(self.request.prompt_ids[:-1])
@@ -60,36 +63,38 @@ class Sequence:
 
 
 class BuiltinEngine:
-    """The same code on every device: the weights, the KV cache and the per-slot decode state live on `device`;
-    only the bookkeeping of requests and slots is Python."""
-    # On the CPU an idle engine (nothing running, waiting or parked) hands a KV cache this large back to the OS,
-    # and zeroes a new one when requests come: GSM8K's 32 slots x 632 tokens in bf16 are 444 MB, free while a
-    # synchronous run's trainer takes its step, for about 0.1 s of zeroing a batch. Such a cache is first made by
-    # the first requests, not at construction: rank 0's evaluation engine is idle until its first evaluation.
-    # Smaller caches (the default task's) are made at once and kept: zeroing them would cost more of a short step
-    # than they free.
+    """The same code on every device: the weights, the KV cache and the per-slot decode state live on
+    `device`; only the bookkeeping of requests and slots is Python."""
+    # On the CPU an idle engine (nothing running, waiting or parked) hands a KV cache this large back to the
+    # OS, and zeroes a new one when requests come: GSM8K's 32 slots x 632 tokens in bf16 are 444 MB, free
+    # while a synchronous run's trainer takes its step, for about 0.1 s of zeroing a batch. Such a cache is
+    # first made by the first requests, not at construction: rank 0's evaluation engine is idle until its
+    # first evaluation. Smaller caches (the default task's) are made at once and kept: zeroing them would cost
+    # more of a short step than they free.
     IDLE_RELEASE_BYTES = 128 << 20
-    # On the CPU the fast path's cache starts this many positions wide (or max_len, if less) and widens in place,
-    # GROWTH positions at a time up to max_len, as the longest sequence needs: decode attention reads the cache's
-    # whole width where that is the faster way (engines/llama.py `decode`), so the width follows what is in flight.
-    # Its memory is reserved max_len wide and mapped by the OS as it is written. The default task's cache is
-    # narrower than FIRST_WIDTH from the start.
+    # On the CPU the fast path's cache starts this many positions wide (or max_len, if less) and widens in
+    # place, GROWTH positions at a time up to max_len, as the longest sequence needs: decode attention reads
+    # the cache's whole width where that is the faster way (engines/llama.py `decode`), so the width follows
+    # what is in flight. Its memory is reserved max_len wide and mapped by the OS as it is written. The
+    # default task's cache is narrower than FIRST_WIDTH from the start.
     FIRST_WIDTH = 64
     GROWTH = 32
 
     def __init__(self, model, max_batch: int, max_len: int, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fallback: bool = False,
-                 static: bool = False, cuda_graphs: bool = False):
-        """static: decode with engines/static_decode.py's step (the GPU plan's; the fast path only): fixed shapes,
-        one host sync a step, read one step late; cuda_graphs: that step as CUDA graphs where the device is CUDA."""
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 fallback: bool = False, static: bool = False, cuda_graphs: bool = False):
+        """static: decode with engines/static_decode.py's step (the GPU plan's; the fast path only): fixed
+        shapes, one host sync a step, read one step late; cuda_graphs: that step as CUDA graphs where the
+        device is CUDA."""
         self.device = torch.device(device)
-        with torch.inference_mode(False):  # normal tensors, so callers can copy_() into them outside inference mode
+        # normal tensors, so callers can copy_() into them outside inference mode
+        with torch.inference_mode(False):
             # engines/arch.py: the fast path, or the fallback (also where `fallback` asks for it)
             self.model = forward_for(model, dtype, max_len, self.device, fallback)
         self.max_batch, self.max_len = max_batch, max_len
         if static and not isinstance(self.model, Llama):
-            print(f"note: the static decode step runs the fast path only; {type(model).__name__} decodes through "
-                  "the fallback, step by step", flush=True)
+            print(f"note: the static decode step runs the fast path only; {type(model).__name__} decodes "
+                  "through the fallback, step by step", flush=True)
             static = False
         # The static step's graphs read the cache at fixed addresses: it is made once, full width, and kept.
         self.release_when_idle = (self.device.type == "cpu" and not static
@@ -103,12 +108,14 @@ class BuiltinEngine:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free = list(range(max_batch))      # a min-heap: low slots first keeps running slots dense
-        # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its tokens,
-        # prompt and generated; the cache holds all but the last).
+        # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its
+        # tokens, prompt and generated; the cache holds all but the last).
         self.parked: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
-        self.weights_seen = 0  # weight loads and version changes so far: a prompt cache is copied under its own only
+        # weight loads and version changes so far: a prompt cache is copied under its own only
+        self.weights_seen = 0
         self.prefix_copies = 0  # admitted samples whose prompt's cache was copied from a running sibling
-        self.resumed = self.resume_misses = 0  # continuations that prefilled only their new tokens, and the others
+        # continuations that prefilled only their new tokens, and the others
+        self.resumed = self.resume_misses = 0
         self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
         on = {"device": self.device}
@@ -117,7 +124,8 @@ class BuiltinEngine:
                                temperature=torch.ones(max_batch, **on), top_p=torch.ones(max_batch, **on),
                                request=torch.zeros(max_batch, **long))
         self.decoder = None  # the static step, or None: each step decodes exactly the running slots (_decode)
-        self.in_flight = None  # the static step launched last and not read yet: (Launched, its sequences, version)
+        # the static step launched last and not read yet: (Launched, its sequences, version)
+        self.in_flight = None
         if static:
             with torch.inference_mode(False):
                 self.decoder = StaticDecode(self.model, self.k_cache, self.v_cache, self.slots, seed, max_len,
@@ -130,8 +138,8 @@ class BuiltinEngine:
         self.version = version
         self.weights_seen += 1
 
-    # The weight receipt (engines/base.py): weights are copied in between two decode steps; sequences in flight
-    # keep their cache and continue under the new weights, nothing is interrupted.
+    # The weight receipt (engines/base.py): weights are copied in between two decode steps; sequences in
+    # flight keep their cache and continue under the new weights, nothing is interrupted.
 
     def begin_weights(self) -> list[Completion]:
         return []
@@ -143,14 +151,15 @@ class BuiltinEngine:
         with torch.no_grad():
             for name, tensor in unpack(flat, message.slots):
                 if name not in targets:
-                    raise RuntimeError(f"weight {name!r} is not one of the engine's; the trainer and the engine "
-                                       "hold different architectures")
+                    raise RuntimeError(f"weight {name!r} is not one of the engine's; the trainer and the "
+                                       "engine hold different architectures")
                 targets[name].copy_(tensor)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
 
     def adopt_weights(self, version: int) -> list[Completion]:
-        self.model.drop_blocked()  # the copies the matmuls read are made from these weights before the next step
+        # the copies the matmuls read are made from these weights before the next step
+        self.model.drop_blocked()
         self.version = version
         self.weights_seen += 1
         return []
@@ -170,7 +179,8 @@ class BuiltinEngine:
     def add(self, request: Request) -> None:
         check_request(request, self.max_len)
         if request.params.stop_strings and self.vocabulary is None:
-            raise ValueError(f"request {request.request_id} has stop strings; call use_vocabulary(texts) first")
+            raise ValueError(f"request {request.request_id} has stop strings; "
+                             "call use_vocabulary(texts) first")
         self.waiting.append(request)
 
     def step(self) -> list[Completion]:
@@ -184,17 +194,20 @@ class BuiltinEngine:
             finished = self._decode() if self.running else []
             if self.release_when_idle and not (self.running or self.waiting or self.parked):
                 self.k_cache = self.v_cache = None
-                self.model.drop_blocked()  # their memory too, while a synchronous run's trainer takes its step
+                # their memory too, while a synchronous run's trainer takes its step
+                self.model.drop_blocked()
                 release_free_heap()  # a few MB a matrix: glibc would keep their pages
             return finished
 
     def _new_cache(self):
         if not self.grows:
             return self.model.new_cache(self.max_batch, self.max_len)
-        return self.model.new_cache(self.max_batch, min(self.max_len, self.FIRST_WIDTH), capacity=self.max_len)
+        return self.model.new_cache(self.max_batch, min(self.max_len, self.FIRST_WIDTH),
+                                    capacity=self.max_len)
 
     def _fit_cache(self, positions: int) -> None:
-        """Make the cache at least `positions` wide (a multiple of GROWTH, up to max_len), keeping what it holds."""
+        """Make the cache at least `positions` wide (a multiple of GROWTH, up to max_len), keeping what it
+        holds."""
         width = self.k_cache.shape[3] if self.grows else self.max_len
         if positions > width:
             width = min(self.max_len, -(-positions // self.GROWTH) * self.GROWTH)
@@ -217,7 +230,8 @@ class BuiltinEngine:
             if not resumed:
                 slot = heapq.heappop(self.free) if self.free else self.parked.popitem(last=False)[1][0]
                 admitted.append((request, slot))
-            self.running[slot] = Sequence(request, slot, prompt_weights=None if resumed else self.weights_seen)
+            self.running[slot] = Sequence(request, slot,
+                                          prompt_weights=None if resumed else self.weights_seen)
         if not admitted:
             return
         requests = [r for r, _ in admitted]
@@ -227,9 +241,9 @@ class BuiltinEngine:
         self.slots.temperature[slots] = self._tensor([r.params.temperature for r in requests], torch.float32)
         self.slots.request[slots] = self._tensor([r.request_id for r in requests])
         self.slots.top_p[slots] = self._tensor([r.params.top_p for r in requests], torch.float32)
-        # K samples of one prompt share its prefix: copied from a slot that already holds it (a sibling admitted
-        # earlier, still running: continuous batching admits the K samples as slots free up), else computed once
-        # for all of them here.
+        # K samples of one prompt share its prefix: copied from a slot that already holds it (a sibling
+        # admitted earlier, still running: continuous batching admits the K samples as slots free up), else
+        # computed once for all of them here.
         pending = {slot for _, slot in admitted}
         held = self._held_prefixes({len(self.running[slot].prefix) for slot in pending}, pending)
         to_prefill = []
@@ -254,15 +268,16 @@ class BuiltinEngine:
         self.model.prefill(self.k_cache, self.v_cache, self._on_device(ids), self._tensor(rows), slots)
 
     def _held_prefixes(self, lengths: set[int], pending: set[int]) -> dict[tuple[int, ...], int]:
-        """Prompt prefixes (all but the last prompt token) of these lengths that a running slot's cache holds, made
-        with the current weights -> that slot. A slot never rewrites its cache below its prompt's length; `pending`
-        slots are not filled yet."""
+        """Prompt prefixes (all but the last prompt token) of these lengths that a running slot's cache holds,
+        made with the current weights -> that slot. A slot never rewrites its cache below its prompt's length;
+        `pending` slots are not filled yet."""
         return {seq.prefix: slot for slot, seq in self.running.items() if slot not in pending and seq.prefix
                 and seq.prompt_weights == self.weights_seen and len(seq.prefix) in lengths}
 
     def _continue(self, request: Request) -> int | None:
         """The parked slot that `request` continues, its cache extended by the new prompt tokens; None when it
-        continues nothing, or a sequence evicted meanwhile, or the model cannot extend a cache (a full prefill)."""
+        continues nothing, or a sequence evicted meanwhile, or the model cannot extend a cache
+        (a full prefill)."""
         if request.resume is None:
             return None
         parked = self.parked.pop(request.resume, None)
@@ -308,10 +323,12 @@ class BuiltinEngine:
         running = [self.running[slot] for slot in sorted(self.running)]
         active = self._tensor([seq.slot for seq in running])
         pos = self.slots.pos[active]
-        length = max(len(seq.request.prompt_ids) + seq.fed for seq in running)  # positions 0..pos, as the host knows
+        # positions 0..pos, as the host knows
+        length = max(len(seq.request.prompt_ids) + seq.fed for seq in running)
         self._fit_cache(length)
         dense = {"dense": running[-1].slot == len(running) - 1} if isinstance(self.model, Llama) else {}
-        logits = self.model.decode(self.k_cache, self.v_cache, self.slots.token[active], pos, active, length, **dense)
+        logits = self.model.decode(self.k_cache, self.v_cache, self.slots.token[active], pos, active, length,
+                                   **dense)
         u = counter_uniform(self.seed, self.slots.request[active], pos)
         tokens, logprobs = sample(logits, self.slots.temperature[active], self.slots.top_p[active], u,
                                   Passes.of(seq.request.params for seq in running))
@@ -324,8 +341,8 @@ class BuiltinEngine:
         return finished
 
     def _launch(self):
-        """Queue a static step for every sequence that may still need a token: (the step, them, the version its
-        tokens come from), or None when every running sequence has had its last token launched."""
+        """Queue a static step for every sequence that may still need a token: (the step, them, the version
+        its tokens come from), or None when every running sequence has had its last token launched."""
         live = [seq for seq in self.running.values() if seq.fed < seq.request.params.max_new_tokens]
         if not live:
             return None
@@ -366,14 +383,16 @@ class BuiltinEngine:
 
 @dataclass(frozen=True)
 class BuiltinEngineSpec:
-    """How a rollout process builds a built-in engine (engines/sglang.py's SGLangSpec builds the other kind)."""
+    """How a rollout process builds a built-in engine (engines/sglang.py's SGLangSpec builds the other
+    kind)."""
     max_batch: int  # sequences decoded together (cache slots)
     max_len: int  # prompt + completion tokens of the longest sequence
     dtype: str  # rollout.dtype, settled: the engine's weights, float32 | bfloat16
     device: str  # cpu | cuda:N
     # A GPU shared with a trainer rank (the one-GPU layout): the most of it this process may take (0: no cap)
     memory_fraction: float = 0.0
-    static: bool = False  # the GPU plan's decode step (engines/static_decode.py); the CPU plan's decodes its rows
+    # the GPU plan's decode step (engines/static_decode.py); the CPU plan's decodes its rows
+    static: bool = False
     cuda_graphs: bool = False  # rollout.cuda_graphs: that step as CUDA graphs, where the device is a GPU
 
     # What it can do (engines/base.py EngineSpec); class attributes, not fields
@@ -390,7 +409,8 @@ class BuiltinEngineSpec:
 
     @classmethod
     def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "BuiltinEngineSpec":
-        """On the GPU plan (launch/gpu.py): on the worker's GPU, capped where it shares that GPU with a trainer rank."""
+        """On the GPU plan (launch/gpu.py): on the worker's GPU, capped where it shares that GPU with a
+        trainer rank."""
         layout = plan.layout
         share = layout.mem_fraction_static if layout.time_shared and plan.device_type == "cuda" else 0.0
         return cls(max_batch, max_len, dtype, plan.engine_device(worker), memory_fraction=share, static=True,
@@ -405,8 +425,9 @@ class BuiltinEngineSpec:
 
     @staticmethod
     def bucket_payloads(flat: torch.Tensor, slots: list, tp_size: int) -> list[torch.Tensor]:
-        """How a weight bucket travels to a built-in engine: the tensor itself. The queue pickles a CUDA tensor as
-        a CUDA IPC handle (torch's reductions) and a CPU tensor as shared memory; its bytes are in place first."""
+        """How a weight bucket travels to a built-in engine: the tensor itself. The queue pickles a CUDA
+        tensor as a CUDA IPC handle (torch's reductions) and a CPU tensor as shared memory; its bytes are in
+        place first."""
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()
         return [flat] * tp_size
@@ -421,14 +442,15 @@ class BuiltinEngineSpec:
             if self.memory_fraction:
                 torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
         # The engine copies the weights into its own layout; the Hugging Face model is dropped at once.
-        engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32), self.max_batch,
-                               self.max_len, seed, getattr(torch, self.dtype), device, static=self.static,
-                               cuda_graphs=self.cuda_graphs)
+        engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32),
+                               self.max_batch, self.max_len, seed, getattr(torch, self.dtype), device,
+                               static=self.static, cuda_graphs=self.cuda_graphs)
         if device.type == "cpu" and not engine.release_when_idle:
-            # Such an engine frees its blocked weights every version and makes them again at once (engines/llama.py),
-            # and its decode steps' logits every step: chunks that glibc would unmap or trim, and the next ones fault
-            # their pages in again (about 70 of the 120 ms of blocking SmolLM2's weights). Kept resident instead:
-            # the default run's wait for its batch about 0.9x (463deef, docs/benchmarks.md).
+            # Such an engine frees its blocked weights every version and makes them again at once
+            # (engines/llama.py), and its decode steps' logits every step: chunks that glibc would unmap or
+            # trim, and the next ones fault their pages in again (about 70 of the 120 ms of blocking SmolLM2's
+            # weights). Kept resident instead: the default run's wait for its batch about 0.9x (463deef,
+            # docs/benchmarks.md).
             keep_freed_chunks(True, top=KEEP_TOP + sum(t.nbytes for t in engine.weight_tensors().values()))
         yield engine
 

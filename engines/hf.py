@@ -1,11 +1,13 @@
-"""The built-in engine's fallback: any Hugging Face causal LM, decoded through its own forward over our slot cache.
+"""The built-in engine's fallback: any Hugging Face causal LM, decoded through its own forward over our slot
+cache.
 
-`HFForward` offers what engines/llama.py's `Llama` offers (`weight_tensors`, `new_cache`, `prefill`, `decode`),
-so `BuiltinEngine` keeps its continuous batching, shared-prompt prefill, per-token logprobs and versions, and
-in-flight weight loads. The model's attention layers write their keys and values through `SlotCache.update`,
-the hook every Hugging Face attention calls, into per-slot tensors laid out as the fast path's cache; each call
-gets an explicit 4D mask and position ids, so nothing in the model depends on how long the cache is. Slower than
-the fast path (the model's own modules, no fused projections), but the math is the model's own.
+`HFForward` offers what engines/llama.py's `Llama` offers (`weight_tensors`, `new_cache`, `prefill`,
+`decode`), so `BuiltinEngine` keeps its continuous batching, shared-prompt prefill, per-token logprobs and
+versions, and in-flight weight loads. The model's attention layers write their keys and values through
+`SlotCache.update`, the hook every Hugging Face attention calls, into per-slot tensors laid out as the fast
+path's cache; each call gets an explicit 4D mask and position ids, so nothing in the model depends on how long
+the cache is. Slower than the fast path (the model's own modules, no fused projections), but the math is the
+model's own.
 
 Models whose layers keep state other than keys and values (sliding windows that roll, linear-attention or
 recurrent layers) are refused at start by `engines/arch.py`.
@@ -15,7 +17,8 @@ from transformers.cache_utils import Cache
 
 
 class SlotCache(Cache):
-    """Keys and values per layer, [max_batch, kv_heads, max_len, head_dim], allocated when a layer first writes.
+    """Keys and values per layer, [max_batch, kv_heads, max_len, head_dim], allocated when a layer first
+    writes.
 
     Before each forward the engine says where this batch's rows go (`prefill_into` or `decode_into`); `update`
     then stores a layer's new keys and values there and returns what that layer's queries attend over."""
@@ -32,7 +35,8 @@ class SlotCache(Cache):
         self._write = ("prefill", rows, slots)
 
     def decode_into(self, pos: torch.Tensor, slots: torch.Tensor, length: int) -> None:
-        """The next forward runs one token per slot, at positions `pos`; attention reads cache[..., :length, :]."""
+        """The next forward runs one token per slot, at positions `pos`; attention reads
+        cache[..., :length, :]."""
         self._write = ("decode", pos, slots, length)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -78,11 +82,13 @@ class HFForward:
         self.device, self.dtype = device, dtype
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
-        """HF names -> the model's own parameter tensors (a `.copy_()` into them changes what the model computes)."""
+        """HF names -> the model's own parameter tensors (a `.copy_()` into them changes what the model
+        computes)."""
         return dict(self.lm.state_dict(keep_vars=False))
 
     def block_weights(self) -> None:
-        """Nothing to make: the model reads its parameters as they are (engines/llama.py keeps blocked copies)."""
+        """Nothing to make: the model reads its parameters as they are (engines/llama.py keeps blocked
+        copies)."""
 
     def drop_blocked(self) -> None:
         """Nothing to drop (block_weights)."""
@@ -100,14 +106,15 @@ class HFForward:
             for layer in store.values():
                 layer[target, :, :length] = layer[source, :, :length]
 
-    def prefill(self, cache: SlotCache, _, ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def prefill(self, cache: SlotCache, _, ids: torch.Tensor, rows: torch.Tensor,
+                slots: torch.Tensor) -> None:
         """As `Llama.prefill`: U distinct right-padded prompts ids [U, P] into slots; no logits."""
         U, P = ids.shape
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         cache.prefill_into(rows, slots)
         self.lm.base_model(input_ids=ids, attention_mask=_additive(causal.expand(U, 1, P, P), self.dtype),
-                           position_ids=torch.arange(P, device=ids.device).expand(U, P), past_key_values=cache,
-                           use_cache=True)
+                           position_ids=torch.arange(P, device=ids.device).expand(U, P),
+                           past_key_values=cache, use_cache=True)
 
     def decode(self, cache: SlotCache, _, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                length: int) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The Llama forward pass (also Mistral, Qwen2 and Qwen3) over a per-slot KV cache, for batched decoding on any
-device: the built-in engine's fast path. Every other causal LM runs on engines/hf.py's fallback.
+"""The Llama forward pass (also Mistral, Qwen2 and Qwen3) over a per-slot KV cache, for batched decoding on
+any device: the built-in engine's fast path. Every other causal LM runs on engines/hf.py's fallback.
 
 Weights are copied out of the Hugging Face model into the engine's own tensors, with q/k/v and
 gate/up fused so a layer is four matmuls. `weight_tensors()` hands back HF-named row views of them,
 so a trainer can `.copy_()` new weights in without knowing about the fusion; `drop_blocked()` must follow (the
-built-in engine's `adopt_weights` calls it), and the blocked copies are made again before the next decode step.
+built-in engine's `adopt_weights` calls it), and the blocked copies are made again before the next decode
+step.
 """
 import math
 from dataclasses import dataclass
@@ -39,10 +40,12 @@ def check_supported(model, max_len: int) -> None:
 
 def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, [max_len, head_dim] in float32, computed exactly as HF's rotary embedding does."""
-    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    params = (getattr(config, "rope_parameters", None)
+              or {"rope_type": "default", "rope_theta": config.rope_theta})
     kind = params.get("rope_type", "default")
     if kind == "default":
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq = 1.0 / (params["rope_theta"]
+                          ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scale = 1.0
     elif kind in ("linear", "llama3", "yarn", "longrope"):  # static rescalings of the frequencies: reuse HF's
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -55,11 +58,13 @@ def rope_tables(config, head_dim: int, max_len: int) -> tuple[torch.Tensor, torc
 
 
 def blocks_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the matmuls read oneDNN-blocked copies of the weights, at decode's few rows faster than F.linear:
+    """Whether the matmuls read oneDNN-blocked copies of the weights, at decode's few rows faster than
+    F.linear:
     - bf16 on a CPU with AVX-512 (native bf16): about 1.4x at 32-64 rows, the same bits as F.linear;
-    - fp32 on a CPU with AVX2 and no AVX-512: 1.3-2.5x per matmul at 32-64 rows against MKL's F.linear (the output
-      head most), 1.28x in bench.generate, on a 2-core AMD EPYC. The last bits differ from F.linear's, as far apart as
-      two fp32 matmuls can be; the engine-trainer mismatch stays at fp32's (docs/benchmarks.md).
+    - fp32 on a CPU with AVX2 and no AVX-512: 1.3-2.5x per matmul at 32-64 rows against MKL's F.linear
+      (the output head most), 1.28x in bench.generate, on a 2-core AMD EPYC. The last bits differ from
+      F.linear's, as far apart as two fp32 matmuls can be; the engine-trainer mismatch stays at fp32's
+      (docs/benchmarks.md).
     fp32 with AVX-512 keeps F.linear (not measured there), as does bf16 without it."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -82,10 +87,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def widen(cache: torch.Tensor, width: int) -> torch.Tensor:
-    """cache [..., W, d], contiguous from the start of its memory, made [..., width, d] (width > W) in that same
-    memory: every row of W positions moves to where a row of `width` starts, the last rows first, in runs whose new
-    place does not overlap their old one (a run [a, end) can move at once when a x width >= end x W); the few first
-    rows, whose places overlap, go through a copy. The new positions are zeroed."""
+    """cache [..., W, d], contiguous from the start of its memory, made [..., width, d] (width > W) in that
+    same memory: every row of W positions moves to where a row of `width` starts, the last rows first, in runs
+    whose new place does not overlap their old one (a run [a, end) can move at once when
+    a x width >= end x W); the few first rows, whose places overlap, go through a copy. The new positions are
+    zeroed."""
     *lead, held, d = cache.shape
     rows, old, new = math.prod(lead), held * d, width * d
     flat = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(cache.untyped_storage())
@@ -93,7 +99,8 @@ def widen(cache: torch.Tensor, width: int) -> torch.Tensor:
     while end > 1:
         start = -(-end * old // new)
         if start < end:
-            flat.as_strided((end - start, old), (new, 1), start * new).copy_(flat[start * old:end * old].view(-1, old))
+            flat.as_strided((end - start, old), (new, 1), start * new).copy_(
+                flat[start * old:end * old].view(-1, old))
         else:
             start = end - 1
             flat[start * new:start * new + old] = flat[start * old:start * old + old].clone()
@@ -104,17 +111,18 @@ def widen(cache: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def two_matmul_attention(visible: torch.Tensor, head_dim: int):
-    """Decode attention as two batched matmuls and a float32 softmax, the mask made additive once for all layers.
-    On the CPU the fused kernel pays per-call overhead for a decode's few query rows: at 64 sequences the split
-    is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x faster
-    where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first; `decode` picks
-    the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax; the
-    engine-trainer mismatch did not move (e6863a0, docs/benchmarks.md)."""
+    """Decode attention as two batched matmuls and a float32 softmax, the mask made additive once for all
+    layers. On the CPU the fused kernel pays per-call overhead for a decode's few query rows: at 64 sequences
+    the split is 1.1-2.4x its speed in fp32 (45-300 cached tokens), and in bf16 it makes the engine 1.06-1.11x
+    faster where its operands are contiguous (oneDNN's bf16 batched matmul copies a strided one first;
+    `decode` picks the width). In bf16 the scores leave the matmul rounded to bf16 before the float32 softmax;
+    the engine-trainer mismatch did not move (e6863a0, docs/benchmarks.md)."""
     bias = torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
     scale = head_dim ** -0.5
 
     def attend(q, keys, values):
-        # bias + scale x scores in one float32 pass: the bias is 0 or -inf, so the same bits as scaling, then adding
+        # bias + scale x scores in one float32 pass: the bias is 0 or -inf, so the same bits as scaling, then
+        # adding
         scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)
         return torch.matmul(scores.softmax(-1).to(values.dtype), values)
     return attend
@@ -135,7 +143,8 @@ class Layer:
 
 
 class Llama:
-    split_attention = True  # CPU decode attention as two matmuls where `decode` says they pay (False: the fused kernel)
+    # CPU decode attention as two matmuls where `decode` says they pay (False: the fused kernel)
+    split_attention = True
 
     def __init__(self, model, dtype: torch.dtype, max_len: int, device: torch.device = torch.device("cpu")):
         check_supported(model, max_len)
@@ -158,8 +167,10 @@ class Llama:
         self.layers = [self._load_layer(state, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
         cos, sin = rope_tables(config, self.head_dim, max_len)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
-        self.blocks = blocks_weights(device, dtype)  # whether the matmuls read blocked copies (False: F.linear)
-        self.blocked: dict[int, torch.Tensor] = {}  # a matrix's data_ptr -> its blocked copy, made before decoding
+        # whether the matmuls read blocked copies (False: F.linear)
+        self.blocks = blocks_weights(device, dtype)
+        # a matrix's data_ptr -> its blocked copy, made before decoding
+        self.blocked: dict[int, torch.Tensor] = {}
 
     def _own(self, state: dict, name: str) -> torch.Tensor:
         # A copy, never an alias: the HF parameters may belong to a trainer that keeps updating them.
@@ -183,8 +194,8 @@ class Llama:
             q_norm=self._own(state, prefix + "self_attn.q_norm.weight") if has_norms else None,
             k_norm=self._own(state, prefix + "self_attn.k_norm.weight") if has_norms else None,
             o=self._own(state, prefix + "self_attn.o_proj.weight"),
-            o_bias=self._own(state, prefix + "self_attn.o_proj.bias") if prefix + "self_attn.o_proj.bias" in state
-            else None,
+            o_bias=self._own(state, prefix + "self_attn.o_proj.bias")
+            if prefix + "self_attn.o_proj.bias" in state else None,
             mlp_norm=self._own(state, prefix + "post_attention_layernorm.weight"),
             gate_up=self._fuse(state, [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
             down=self._own(state, prefix + "mlp.down_proj.weight"),
@@ -194,37 +205,38 @@ class Llama:
         return dict(self.views)
 
     def block_weights(self) -> None:
-        """Make the blocked copies the matmuls read, if this forward keeps them (`blocks`) and they are not made yet:
-        about 0.1 s for 135M parameters, once a version, against about 10 ms saved on every decode step of 32 rows.
-        The built-in engine calls it before decoding."""
+        """Make the blocked copies the matmuls read, if this forward keeps them (`blocks`) and they are not
+        made yet: about 0.1 s for 135M parameters, once a version, against about 10 ms saved on every decode
+        step of 32 rows. The built-in engine calls it before decoding."""
         if self.blocks and not self.blocked:
-            matrices = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                                              layer.down)]
+            matrices = [self.lm_head] + [w for layer in self.layers
+                                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             self.blocked = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in matrices}
 
     def drop_blocked(self) -> None:
         """Forget the blocked copies: the weights changed, or an idle engine gives their memory back."""
         self.blocked = {}
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         blocked = self.blocked.get(weight.data_ptr())
         if blocked is None:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
     def new_cache(self, max_batch: int, max_len: int, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed key and value caches [layers, max_batch, kv heads, max_len, head_dim], each the start of memory
-        for `capacity` positions (at least max_len) that `grow_cache` widens them into. The memory past max_len is
-        not written, so the OS maps it only as the caches grow."""
+        """Zeroed key and value caches [layers, max_batch, kv heads, max_len, head_dim], each the start of
+        memory for `capacity` positions (at least max_len) that `grow_cache` widens them into. The memory past
+        max_len is not written, so the OS maps it only as the caches grow."""
         shape = self._cache_shape(max_batch, max_len)
         held = math.prod(self._cache_shape(max_batch, max(capacity, max_len)))
-        return tuple(torch.empty(held, dtype=self.dtype, device=self.device)[:math.prod(shape)].view(shape).zero_()
-                     for _ in range(2))
+        return tuple(torch.empty(held, dtype=self.dtype, device=self.device)[:math.prod(shape)]
+                     .view(shape).zero_() for _ in range(2))
 
     def grow_cache(self, k_cache, v_cache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same caches `width` positions wide: what they hold is kept, the new positions are zeros. In place
-        where their memory has room (`new_cache`'s capacity): no fresh buffer to map and copy into at each growth,
-        so the width can follow the longest sequence closely."""
+        """The same caches `width` positions wide: what they hold is kept, the new positions are zeros. In
+        place where their memory has room (`new_cache`'s capacity): no fresh buffer to map and copy into at
+        each growth, so the width can follow the longest sequence closely."""
         room = k_cache.numel() // k_cache.shape[3] * width * k_cache.element_size()
         if all(c.storage_offset() == 0 and c.is_contiguous() and c.untyped_storage().nbytes() >= room
                for c in (k_cache, v_cache)):
@@ -246,7 +258,8 @@ class Llama:
         return two_matmul_attention(visible, self.head_dim)
 
     def copy_prefix(self, k_cache, v_cache, source: int, target: int, length: int) -> None:
-        """Slot `target` gets the keys and values of positions :length that slot `source` holds: its prompt's."""
+        """Slot `target` gets the keys and values of positions :length that slot `source` holds: its
+        prompt's."""
         k_cache[:, target, :, :length] = k_cache[:, source, :, :length]
         v_cache[:, target, :, :length] = v_cache[:, source, :, :length]
 
@@ -258,7 +271,8 @@ class Llama:
             qk = torch.cat((rms_norm(qk[..., :self.n_heads, :], layer.q_norm, self.eps),
                             rms_norm(qk[..., self.n_heads:, :], layer.k_norm, self.eps)), dim=-2)
         qk = apply_rope(qk, cos, sin)  # q and k rotate in one pass
-        return qk[..., :self.n_heads, :], qk[..., self.n_heads:, :], qkv[..., self.n_heads + self.n_kv_heads:, :]
+        return (qk[..., :self.n_heads, :], qk[..., self.n_heads:, :],
+                qkv[..., self.n_heads + self.n_kv_heads:, :])
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._linear(rms_norm(x, layer.mlp_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
@@ -275,7 +289,8 @@ class Llama:
         x = self.embed[ids]
         cos, sin = self.cos[:P, None], self.sin[:P, None]
         for i, layer in enumerate(self.layers):
-            q, k, v = (t.transpose(1, 2) for t in self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin))
+            q, k, v = (t.transpose(1, 2)
+                       for t in self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin))
             k_cache[i, slots, :, :P] = k[rows]
             v_cache[i, slots, :, :P] = v[rows]
             if i == len(self.layers) - 1:
@@ -285,15 +300,17 @@ class Llama:
             x = x + self._mlp(layer, x)
 
     def extend(self, k_cache, v_cache, ids: torch.Tensor, slot: int, start: int) -> None:
-        """Append tokens `ids` [m] at positions start.. to the cache of `slot`, which holds positions 0..start-1:
-        the next turn of a parked sequence, prefilled without recomputing what it already cached."""
+        """Append tokens `ids` [m] at positions start.. to the cache of `slot`, which holds positions
+        0..start-1: the next turn of a parked sequence, prefilled without recomputing what it already
+        cached."""
         m = ids.shape[0]
         x = self.embed[ids][None]
         cos, sin = self.cos[start:start + m, None], self.sin[start:start + m, None]
         pos = torch.arange(start, start + m, device=ids.device)
         visible = torch.arange(start + m, device=ids.device)[None, :] <= pos[:, None]  # [m, start + m]
         for i, layer in enumerate(self.layers):
-            q, k, v = (t.transpose(1, 2) for t in self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin))
+            q, k, v = (t.transpose(1, 2)
+                       for t in self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin))
             k_cache[i, slot, :, start:start + m] = k[0]
             v_cache[i, slot, :, start:start + m] = v[0]
             if i == len(self.layers) - 1:
@@ -305,27 +322,30 @@ class Llama:
 
     def decode(self, k_cache, v_cache, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                length: int, dense: bool | None = None) -> torch.Tensor:
-        """One token for each running slot: ids, pos, slots [n] (slots ascending) -> logits [n, V] in the engine's
-        dtype (the sampler takes its one float32 copy).
+        """One token for each running slot: ids, pos, slots [n] (slots ascending) -> logits [n, V] in the
+        engine's dtype (the sampler takes its one float32 copy).
 
-        `length` bounds every slot's position, so attention reads only cache[..., :length, :]. `dense`: the slots
-        are 0..n-1 (None: read from `slots`, a host sync; the static step says so instead).
+        `length` bounds every slot's position, so attention reads only cache[..., :length, :]. `dense`: the
+        slots are 0..n-1 (None: read from `slots`, a host sync; the static step says so instead).
         """
         n = ids.shape[0]
         # Slots 0..n-1 are the common case under continuous batching: read the cache through a strided
         # view; otherwise gather the running slots, cheaper than computing idle ones.
         dense = int(slots[-1]) == n - 1 if dense is None else dense
-        # On the CPU attention is two matmuls (_attend_split) where they read contiguous keys: always in fp32 (its
-        # batched matmul takes strided operands as they are); in bf16 the gathered slots, or, for slots 0..n-1, the
-        # cache's whole width once `length` is at least half of it (past positions are masked), else the fused kernel.
+        # On the CPU attention is two matmuls (_attend_split) where they read contiguous keys: always in fp32
+        # (its batched matmul takes strided operands as they are); in bf16 the gathered slots, or, for slots
+        # 0..n-1, the cache's whole width once `length` is at least half of it (past positions are masked),
+        # else the fused kernel.
         width, split = length, self.split_attention and self.device.type == "cpu"
         if split and self.dtype != torch.float32 and dense:
             split = 2 * length >= k_cache.shape[3]
             width = k_cache.shape[3] if split else length
         x = self.embed[ids]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        visible = (torch.arange(width, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, T]
-        attend = self._attend_split(visible) if split else partial(F.scaled_dot_product_attention, attn_mask=visible)
+        # [n, 1, 1, T]
+        visible = (torch.arange(width, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
+        attend = (self._attend_split(visible) if split
+                  else partial(F.scaled_dot_product_attention, attn_mask=visible))
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, self.eps), cos, sin)
             k_cache[i, slots, :, pos] = k

@@ -26,11 +26,14 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> tor
     n, vocab = weights.shape
     blocks = (F.pad(weights, (0, -vocab % block)) if vocab % block else weights).view(n, -1, block)
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)
-    target = (u.clamp(max=1 - 2**-20) * block_cdf[:, -1])[:, None]  # strictly below the total, even after rounding
+    # strictly below the total, even after rounding
+    target = (u.clamp(max=1 - 2**-20) * block_cdf[:, -1])[:, None]
     b = torch.searchsorted(block_cdf, target, right=True)
     inner_cdf = blocks[torch.arange(n), b.squeeze(1)].cumsum(dim=-1)
-    # Re-summing the block can round differently: stay strictly below its total so a zero-weight tail is never hit.
-    rest = torch.minimum(target - (block_cdf.gather(1, b) - inner_cdf[:, -1:]), inner_cdf[:, -1:] * (1 - 2**-20))
+    # Re-summing the block can round differently: stay strictly below its total so a zero-weight tail is never
+    # hit.
+    rest = torch.minimum(target - (block_cdf.gather(1, b) - inner_cdf[:, -1:]),
+                         inner_cdf[:, -1:] * (1 - 2**-20))
     inner = torch.searchsorted(inner_cdf, rest.clamp_(min=0), right=True).clamp_(max=block - 1)
     return (b * block + inner).squeeze(1)
 
@@ -39,7 +42,8 @@ def counter_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor) -> t
     """A uniform in [0, 1) that is a pure function of (seed, key, position): splitmix64 on int64 tensors.
 
     Sampling token `position` of request `key` then draws the same number whatever else shares the batch and
-    whenever it runs, so a seed fixes every completion (and a resumed run draws what the uninterrupted one did).
+    whenever it runs, so a seed fixes every completion (and a resumed run draws what the uninterrupted one
+    did).
     """
     def shift(z, bits):  # logical right shift on int64
         return (z >> bits) & ((1 << (64 - bits)) - 1)
@@ -55,9 +59,9 @@ def counter_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class Passes:
-    """Which of the sampler's optional passes over [n, V] a batch needs: some row's temperature is neither 0 nor 1
-    (`scale`), some row's top_p < 1 (`nucleus`), some row is greedy (`greedy`). The engine knows them from its
-    requests; a test of the device tensors would make the host wait for the device."""
+    """Which of the sampler's optional passes over [n, V] a batch needs: some row's temperature is neither 0
+    nor 1 (`scale`), some row's top_p < 1 (`nucleus`), some row is greedy (`greedy`). The engine knows them
+    from its requests; a test of the device tensors would make the host wait for the device."""
     scale: bool
     nucleus: bool
     greedy: bool
@@ -78,14 +82,15 @@ class Passes:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
            passes: Passes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, V] (float32, or the engine's bf16; left as they are), uniforms u [n] -> tokens [n], and their
-    logprobs under softmax(logits / T) (T = 1 for greedy). `passes`: which optional passes the rows need (None: read
-    from the tensors); a row that needs a pass its batch skips gets a wrong draw (the engine's idle rows only).
+    """logits [n, V] (float32, or the engine's bf16; left as they are), uniforms u [n] -> tokens [n], and
+    their logprobs under softmax(logits / T) (T = 1 for greedy). `passes`: which optional passes the rows need
+    (None: read from the tensors); a row that needs a pass its batch skips gets a wrong draw (the engine's
+    idle rows only).
 
-    One float32 copy of the logits becomes the softmax numerators in place: at 64 rows of a 49k vocabulary each
-    pass over [n, V] costs about a millisecond on a 2-core CPU, and a fresh buffer per pass more. The sampled
-    tokens' own logits are read back from `logits` (divided by T as the whole row was), the same bits. No branch
-    reads the device, so a step can be captured as a CUDA graph (engines/static_decode.py)."""
+    One float32 copy of the logits becomes the softmax numerators in place: at 64 rows of a 49k vocabulary
+    each pass over [n, V] costs about a millisecond on a 2-core CPU, and a fresh buffer per pass more. The
+    sampled tokens' own logits are read back from `logits` (divided by T as the whole row was), the same bits.
+    No branch reads the device, so a step can be captured as a CUDA graph (engines/static_decode.py)."""
     passes = passes or Passes.reading(temperature, top_p)
     greedy = temperature == 0
     divisor = torch.where(greedy, 1.0, temperature)

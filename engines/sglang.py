@@ -1,4 +1,5 @@
-"""The GPU generation engine: SGLang's offline `Engine` behind engines.base.Engine, with interruptible generation.
+"""The GPU generation engine: SGLang's offline `Engine` behind engines.base.Engine, with interruptible
+generation.
 
     with SGLangSpec(tp_size=1, base_gpu_id=0, mem_fraction_static=0.85, max_batch=64, dtype="bfloat16").open(
             model_path, seed=0) as engine:
@@ -17,7 +18,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engines.base import Completion, Request, SamplingParams, check_request, cut_at_stop_string, run_to_completion
+from engines.base import (
+    Completion,
+    Request,
+    SamplingParams,
+    check_request,
+    cut_at_stop_string,
+    run_to_completion,
+)
 
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
@@ -65,13 +73,15 @@ class Partial:
 
 class SGLangEngine:
     def __init__(self, backend, max_batch: int, poll_s: float = 0.005):
-        """backend: SGLangBackend (SGLangSpec.open builds it), or the tests' fake; max_batch: requests in flight."""
+        """backend: SGLangBackend (SGLangSpec.open builds it), or the tests' fake; max_batch: requests in
+        flight."""
         self.backend = backend
         self.max_batch, self.poll_s = max_batch, poll_s
         self.version = 0
         self.vocabulary: list[str] = []  # token id -> text, for stop strings (use_vocabulary)
         self.waiting: deque[Partial] = deque()
-        self.running: dict[asyncio.Future, tuple[Partial, int]] = {}  # task -> (request, version it runs under)
+        # task -> (request, version it runs under)
+        self.running: dict[asyncio.Future, tuple[Partial, int]] = {}
 
     def set_version(self, version: int) -> None:
         self.version = version
@@ -101,9 +111,9 @@ class SGLangEngine:
     # The weight receipt (engines/base.py): a new version interrupts the requests in flight.
 
     def begin_weights(self) -> list[Completion]:
-        """Pause: SGLang aborts every request in flight and refuses new ones until `adopt_weights`; the aborted
-        requests return what they generated so far and wait, in order, for resubmission. Returns the requests
-        that completed meanwhile (hand them on like step()'s)."""
+        """Pause: SGLang aborts every request in flight and refuses new ones until `adopt_weights`; the
+        aborted requests return what they generated so far and wait, in order, for resubmission. Returns the
+        requests that completed meanwhile (hand them on like step()'s)."""
         self.backend.pause()
         finished = self._collect(None) if self.running else []
         assert not self.running, "SGLang left requests running after an abort"
@@ -145,7 +155,8 @@ class SGLangEngine:
         self.running[self.backend.loop.create_task(coroutine)] = (partial, self.version)
 
     def _collect(self, timeout: float | None) -> list[Completion]:
-        """Wait for at least one task (all of them with timeout=None), merge the outputs, requeue the aborted."""
+        """Wait for at least one task (all of them with timeout=None), merge the outputs, requeue the
+        aborted."""
         when = asyncio.ALL_COMPLETED if timeout is None else asyncio.FIRST_COMPLETED
         done, _ = self.backend.loop.run_until_complete(asyncio.wait(list(self.running), timeout=timeout,
                                                                     return_when=when))
@@ -156,8 +167,8 @@ class SGLangEngine:
             if reason is None:
                 interrupted.append(partial)
             else:
-                finished.append(cut_at_stop_string(partial.completion(reason), partial.request.params.stop_strings,
-                                                   self.vocabulary))
+                finished.append(cut_at_stop_string(partial.completion(reason),
+                                                   partial.request.params.stop_strings, self.vocabulary))
         # Interrupted requests go back to the front, in request order: they are the oldest in flight.
         interrupted.sort(key=lambda p: p.request.request_id)
         self.waiting.extendleft(reversed(interrupted))
@@ -185,7 +196,8 @@ class SGLangSpec:
 
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str):
-        raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin here")
+        raise ValueError("rollout.engine=sglang needs the GPU plan (CUDA GPUs); "
+                         "use rollout.engine=builtin here")
 
     @classmethod
     def on_gpu(cls, plan, worker: int, max_batch: int, max_len: int, dtype: str) -> "SGLangSpec":
@@ -206,8 +218,8 @@ class SGLangSpec:
     @contextmanager
     def open(self, weights_path: str, seed: int):
         make = self.backend or SGLangBackend
-        engine = SGLangEngine(make(weights_path, self.tp_size, self.base_gpu_id, self.mem_fraction_static, seed,
-                                   self.dtype), self.max_batch)
+        engine = SGLangEngine(make(weights_path, self.tp_size, self.base_gpu_id, self.mem_fraction_static,
+                                   seed, self.dtype), self.max_batch)
         try:
             yield engine
         finally:
@@ -215,13 +227,15 @@ class SGLangSpec:
 
 
 class SGLangBackend:
-    """The only code that calls SGLang: an offline `sglang.Engine` (its own scheduler processes) per engine."""
+    """The only code that calls SGLang: an offline `sglang.Engine` (its own scheduler processes) per
+    engine."""
 
     def __init__(self, model_path: str, tp_size: int, base_gpu_id: int, mem_fraction_static: float, seed: int,
                  dtype: str):
         import sglang
 
-        # skip_tokenizer_init: token ids in and out, no detokenizer work (the rollout worker decodes for rewards).
+        # skip_tokenizer_init: token ids in and out, no detokenizer work (the rollout worker decodes for
+        # rewards).
         self.engine = sglang.Engine(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
                                     mem_fraction_static=mem_fraction_static, random_seed=seed, dtype=dtype,
                                     skip_tokenizer_init=True, log_level="error")
@@ -290,14 +304,15 @@ def ipc_payloads(flat, slots: list, tp_size: int) -> list[bytes]:
 
     monkey_patch_torch_reductions()  # handles name the device by UUID, so CUDA_VISIBLE_DEVICES may differ
     torch.cuda.current_stream(flat.device).synchronize()  # the bytes are in place before anyone maps them
-    metadata = [FlattenedTensorMetadata(s.name, s.shape, s.dtype, s.start, s.end, s.end - s.start) for s in slots]
+    metadata = [FlattenedTensorMetadata(s.name, s.shape, s.dtype, s.start, s.end, s.end - s.start)
+                for s in slots]
     return [MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
             for _ in range(tp_size)]
 
 
 def check_sglang(result, call: str = "the weight update") -> None:
-    """SGLang's control calls answer (success, message) (some a dict or an object with those fields): a refusal
-    is an error that names the call and carries SGLang's message."""
+    """SGLang's control calls answer (success, message) (some a dict or an object with those fields): a
+    refusal is an error that names the call and carries SGLang's message."""
     if isinstance(result, dict):
         result = (result.get("success", True), result.get("message", ""))
     elif hasattr(result, "success"):

@@ -32,8 +32,8 @@ class GPUWeights:
     out its WeightStore): a rollout worker takes `follower`, a trainer rank `publisher`.
 
     payloads: how a bucket travels to this plan's engines (their spec's `bucket_payloads`; the CPU tests pass
-    plain bytes); mode: ipc (payloads through the queues) or nccl (a broadcast from rank 0); dtype: the engines'
-    weights, which the buckets carry."""
+    plain bytes); mode: ipc (payloads through the queues) or nccl (a broadcast from rank 0); dtype: the
+    engines' weights, which the buckets carry."""
 
     def __init__(self, channel: WeightChannel, engine_tp_sizes: list[int], payloads: Callable, mode: str,
                  bucket_bytes: int, dtype: torch.dtype, nccl_address: tuple[str, int] | None = None):
@@ -41,14 +41,17 @@ class GPUWeights:
             raise ValueError(f"weight sync mode must be ipc or nccl, got {mode!r}")
         self.channel, self.tp_sizes, self.payloads, self.mode = channel, list(engine_tp_sizes), payloads, mode
         self.bucket_bytes, self.dtype, self.nccl_address = bucket_bytes, dtype, nccl_address
-        self.ready = torch.zeros(len(self.tp_sizes), dtype=torch.uint8).share_memory_()  # per engine: it is up
+        # per engine: it is up
+        self.ready = torch.zeros(len(self.tp_sizes), dtype=torch.uint8).share_memory_()
 
     def follower(self, engine, index: int) -> Callable[[], list]:
-        """Engine `index`'s end: `sync()` between steps loads a new version if rank 0 ships one; it returns the
-        requests that finished meanwhile (an engine that interrupts its requests to load may finish some)."""
+        """Engine `index`'s end: `sync()` between steps loads a new version if rank 0 ships one; it returns
+        the requests that finished meanwhile (an engine that interrupts its requests to load may finish
+        some)."""
         self.ready[index] = 1  # before the NCCL join, which waits for rank 0, which may wait for this flag
         if self.mode == "nccl":
-            engine.join_weight_group(*self.nccl_address, 1 + sum(self.tp_sizes[:index]), 1 + sum(self.tp_sizes))
+            engine.join_weight_group(*self.nccl_address, 1 + sum(self.tp_sizes[:index]),
+                                     1 + sum(self.tp_sizes))
         return lambda: receive_version(engine, self.channel, index)
 
     def engines_ready(self) -> bool:
@@ -56,8 +59,8 @@ class GPUWeights:
 
     def publisher(self, policy, lead: bool, stop) -> Callable:
         """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights. The
-        buckets are planned from what the policy says it will stream (`published_shapes`: a LoRA model's merged
-        weights), not from its state dict."""
+        buckets are planned from what the policy says it will stream (`published_shapes`: a LoRA model's
+        merged weights), not from its state dict."""
         device = next(policy.parameters()).device
         return Publisher(self, policy.published_shapes(), policy.lm.config.tie_word_embeddings, lead, device,
                          stop).publish
@@ -65,7 +68,8 @@ class GPUWeights:
 
 class Publisher:
     """Trainer side of a weight sync: every rank calls `publish` (the gathers are collectives); rank 0 ships.
-    Once `stop` is set rank 0 ships nothing more but still walks the weights, so the other ranks' gathers end."""
+    Once `stop` is set rank 0 ships nothing more but still walks the weights, so the other ranks' gathers
+    end."""
 
     def __init__(self, path: GPUWeights, named, tied: bool, lead: bool, device, stop=None,
                  group_name: str = "ringrl-weights"):
@@ -77,9 +81,9 @@ class Publisher:
             self.group = nccl_trainer_group(*path.nccl_address, 1 + sum(path.tp_sizes), group_name)
 
     def publish(self, named, version: int, phases: dict[str, float] | None = None) -> None:
-        """Ship the weights `named` streams as `version`; returns once every engine has loaded them. phases: where
-        the time went, in seconds added into it, per phase (engines/buckets.py `Stopwatch`: alloc, gather, pack,
-        hand-off, acks), the device synchronised between phases: for benchmarks only."""
+        """Ship the weights `named` streams as `version`; returns once every engine has loaded them. phases:
+        where the time went, in seconds added into it, per phase (engines/buckets.py `Stopwatch`: alloc,
+        gather, pack, hand-off, acks), the device synchronised between phases: for benchmarks only."""
         path = self.path
         clock = Stopwatch(phases, self.device)
 
@@ -100,9 +104,9 @@ class Publisher:
 
 
 def receive_version(engine, channel: WeightChannel, index: int, timeout_s: float = RECEIVE_TIMEOUT_S) -> list:
-    """An engine's `sync()`: if rank 0 has started shipping a version, take every bucket of it through the engine
-    contract, acking each once loaded (rank 0 then frees it), then adopt the version: no token is ever sampled
-    from half of a version. Returns the requests that finished meanwhile."""
+    """An engine's `sync()`: if rank 0 has started shipping a version, take every bucket of it through the
+    engine contract, acking each once loaded (rank 0 then frees it), then adopt the version: no token is ever
+    sampled from half of a version. Returns the requests that finished meanwhile."""
     message = channel.receive(index)
     if message is None:
         return []

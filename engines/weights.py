@@ -1,4 +1,5 @@
-"""Weight publication from the trainer to the generation engines on CPU: one shared buffer per dtype plus a seqlock.
+"""Weight publication from the trainer to the generation engines on CPU: one shared buffer per dtype plus a
+seqlock.
 
 The header holds a sequence counter and the version. The single writer makes the counter odd, copies the
 weights, stores the version, then makes the counter even again; a reader copies the weights and keeps the
@@ -23,15 +24,19 @@ SEQ, VERSION = 0, 1
 
 
 class WeightStore:
-    """Full model weights in one shared buffer plus a version; a reader never sees half-old, half-new weights."""
+    """Full model weights in one shared buffer plus a version; a reader never sees half-old, half-new
+    weights."""
 
     def __init__(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]):
-        """Allocate the shared buffers. Call in the launcher before spawning; pass the store as a Process arg."""
-        self._layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}  # name -> (buffer dtype, offset, shape)
+        """Allocate the shared buffers. Call in the launcher before spawning; pass the store as a Process
+        arg."""
+        # name -> (buffer dtype, offset, shape)
+        self._layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
         sizes: dict[torch.dtype, int] = {}
         for name, (shape, dtype) in shapes.items():
             if not dtype.is_floating_point:
-                raise ValueError(f"weight {name!r} has dtype {dtype}; only floating-point weights are published")
+                raise ValueError(f"weight {name!r} has dtype {dtype}; "
+                                 "only floating-point weights are published")
             shape = torch.Size(shape)
             offset = sizes.get(dtype, 0)
             self._layout[name] = (dtype, offset, shape)
@@ -42,10 +47,11 @@ class WeightStore:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype | None = None) -> "WeightStore":
-        """A store for every floating-point entry of `model.state_dict()` (tied weights are kept under each name),
-        held in `dtype` when given: the engines' own, so a bf16 engine's store is half an fp32 one and a publication
-        rounds each weight to it once, as the engine's load would."""
-        return cls({k: (v.shape, dtype or v.dtype) for k, v in model.state_dict().items() if v.is_floating_point()})
+        """A store for every floating-point entry of `model.state_dict()` (tied weights are kept under each
+        name), held in `dtype` when given: the engines' own, so a bf16 engine's store is half an fp32 one and
+        a publication rounds each weight to it once, as the engine's load would."""
+        return cls({k: (v.shape, dtype or v.dtype) for k, v in model.state_dict().items()
+                    if v.is_floating_point()})
 
     @property
     def version(self) -> int:
@@ -57,13 +63,14 @@ class WeightStore:
         return list(self._layout)
 
     def follower(self, engine, index: int) -> Callable[[], list]:
-        """A rollout worker's end: `sync()` between decode steps copies a newer version straight into `engine`'s
-        weights through the engine contract (`weight_tensors`, `begin_weights`, `adopt_weights`); it returns the
-        requests that finished meanwhile."""
+        """A rollout worker's end: `sync()` between decode steps copies a newer version straight into
+        `engine`'s weights through the engine contract (`weight_tensors`, `begin_weights`, `adopt_weights`);
+        it returns the requests that finished meanwhile."""
         targets = engine.weight_tensors()
         if not targets:
             raise ValueError("the shared-memory weight store needs an engine that holds its weights in this "
-                             "process (the built-in engine); SGLang takes its weights in buckets (GPUWeights)")
+                             "process (the built-in engine); SGLang takes its weights in buckets "
+                             "(GPUWeights)")
 
         def sync() -> list:
             if self.version <= engine.version:
@@ -74,8 +81,8 @@ class WeightStore:
         return sync
 
     def publisher(self, policy, lead: bool, stop) -> Callable:
-        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights (their
-        gathers are collectives); rank 0 writes them."""
+        """A trainer rank's end: `publish(tensors, version)`, called by every rank with the full weights
+        (their gathers are collectives); rank 0 writes them."""
         def publish(tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
             if lead:
                 self.publish(tensors, version)
@@ -94,7 +101,8 @@ class WeightStore:
         items = list(tensors)
         for name, tensor in items:  # validate first, so a bad call cannot leave the counter odd
             if name not in self._layout:
-                raise ValueError(f"unknown weight {name!r}: the store was built for {len(self._layout)} other names")
+                raise ValueError(f"unknown weight {name!r}: the store was built for {len(self._layout)} "
+                                 "other names")
             if tensor.shape != self._layout[name][2]:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the store expects {tuple(self._layout[name][2])}")
@@ -104,7 +112,8 @@ class WeightStore:
 
     @contextmanager
     def writing(self, version: int):
-        """Write the buffers (`buffers()`) in the body; readers see `version` once it ends. Single writer only."""
+        """Write the buffers (`buffers()`) in the body; readers see `version` once it ends. Single writer
+        only."""
         self._header[SEQ] += 1  # odd: a publish is in progress
         yield
         self._header[VERSION] = version
@@ -116,14 +125,16 @@ class WeightStore:
         return [self._buffers[dtype] for dtype in sorted(self._buffers, key=str)]
 
     def read_buffers(self, targets: list[torch.Tensor]) -> int:
-        """Copy one consistent snapshot of `buffers()` into `targets` (tensors of their shapes); its version."""
+        """Copy one consistent snapshot of `buffers()` into `targets` (tensors of their shapes); its
+        version."""
         def copy():
             for target, buffer in zip(targets, self.buffers(), strict=True):
                 target.copy_(buffer)
         return self._consistent(copy)
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> int:
-        """Copy one consistent snapshot into `targets` (views and other dtypes are fine; unknown names skipped).
+        """Copy one consistent snapshot into `targets` (views and other dtypes are fine; unknown names
+        skipped).
 
         Returns the version that was read."""
         names = [name for name in targets if name in self._layout]
@@ -140,7 +151,8 @@ class WeightStore:
         """Run `copy` until it ran while no publish did; the version it copied."""
         while True:
             seq = int(self._header[SEQ])
-            if seq % 2:  # a publish is in progress: wait for it rather than copy data that will be thrown away
+            # a publish is in progress: wait for it rather than copy data that will be thrown away
+            if seq % 2:
                 time.sleep(0.0005)
                 continue
             version = int(self._header[VERSION])

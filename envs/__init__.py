@@ -4,11 +4,13 @@ An environment sees text only; the rollout worker owns tokens and turns (envs/ep
 
     env = task.env()                      # one per episode, built in the rollout process
     messages = env.reset(example)         # deterministic per example: a group's K episodes share their prompt
-    step = env.step(action_text)          # the policy's turn, decoded -> Step(observation | None, reward, done, info)
+    step = env.step(action_text)          # the policy's turn, decoded
+                                            -> Step(observation | None, reward, done, info)
     env.close()
 
-An episode's reward is the sum of its steps' rewards. `info` may count what happened in the step, under the keys
-of `COUNTED` (a tool call, its error, ...): the worker adds them to its counters (`episode/<key>` metrics).
+An episode's reward is the sum of its steps' rewards. `info` may count what happened in the step, under the
+keys of `COUNTED` (a tool call, its error, ...): the worker adds them to its counters (`episode/<key>`
+metrics).
 A one-shot task is the one-turn special case: no environment, its reply scored by the task's reward.
 
 Files: `episode.py` (one episode's record and the turns of a group), `render.py` (observations as tokens, from
@@ -28,7 +30,8 @@ class Step:
     observation: str | None  # the environment's answer, the next user (or tool) turn; None when done
     reward: float = 0.0
     done: bool = False
-    info: dict = field(default_factory=dict)  # counts under COUNTED's keys; "success": bool for the success rate
+    # counts under COUNTED's keys; "success": bool for the success rate
+    info: dict = field(default_factory=dict)
 
 
 class Env(Protocol):

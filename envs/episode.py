@@ -38,19 +38,22 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # 0 where the policy sampled nothing
     versions: list[int] = field(default_factory=list)  # -1 where the policy sampled nothing
     mask: list[bool] = field(default_factory=list)  # True on sampled tokens
-    turn_ids: list[int] = field(default_factory=list)  # the turn each token belongs to (an observation: its turn's)
+    # the turn each token belongs to (an observation: its turn's)
+    turn_ids: list[int] = field(default_factory=list)
     turns: int = 0  # policy turns taken
     reward: float = 0.0  # the sum of the environment's step rewards
     finish: str = ""  # one of FINISH_REASONS once ended
     success: bool = False  # the environment's last step said so (info["success"])
     last_request: int = -1
-    last_stopped: bool = True  # the last turn ended on a stop token: nothing needs closing before an observation
+    # the last turn ended on a stop token: nothing needs closing before an observation
+    last_stopped: bool = True
     pending: Pending | None = None
     turn_started: float = 0.0
     model_s: float = 0.0  # waiting for the engine
     env_s: float = 0.0  # waiting for the environment
 
-    def append(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
+    def append(self, ids: list[int], logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
         sampled = logprobs is not None
         self.token_ids += ids
         self.logprobs += logprobs if sampled else [0.0] * len(ids)
@@ -66,8 +69,9 @@ class Episode:
 class Turns:
     def __init__(self, engine, tokenizer, task, env_cfg, params: SamplingParams, budget: int, seed: int,
                  count=lambda name, n=1: None):
-        """`params`: sampling of a turn (the stop tokens; the task's stop strings are added); `budget`: tokens after
-        the prompt, the record's width (rollout.max_new_tokens); `count(name, n)`: the worker's counters."""
+        """`params`: sampling of a turn (the stop tokens; the task's stop strings are added); `budget`: tokens
+        after the prompt, the record's width (rollout.max_new_tokens); `count(name, n)`: the worker's
+        counters."""
         self.engine, self.tokenizer, self.task, self.cfg = engine, tokenizer, task, env_cfg
         self.multi = task.env is not None
         self.params, self.budget, self.count = params, budget, count
@@ -93,12 +97,14 @@ class Turns:
         return self.renderer.prompt(messages), messages
 
     def start(self, key: int, prompt_ids: list[int], messages: list[dict], example) -> Episode:
-        """Episode `key` of `example`, whose first prompt (`prompt`) the caller computed once for its group."""
+        """Episode `key` of `example`, whose first prompt (`prompt`) the caller computed once for its
+        group."""
         env = None
         if self.multi:
             env = self.task.env()
             env.reset(example)  # deterministic per example, so it gives `messages` again
-        episode = Episode(key, prompt_ids, env, time.monotonic(), [dict(m) for m in messages] if self.multi else [])
+        episode = Episode(key, prompt_ids, env, time.monotonic(),
+                          [dict(m) for m in messages] if self.multi else [])
         self.episodes[key] = episode
         self._request(episode, prompt_ids)
         return episode
@@ -107,7 +113,8 @@ class Turns:
         room = self.budget - len(episode.token_ids)
         limit = min(self.cfg.max_turn_tokens, room) if self.multi else room
         last_turn = not self.multi or episode.turns + 1 >= self.cfg.max_turns
-        params = self.params if limit == self.params.max_new_tokens else replace(self.params, max_new_tokens=limit)
+        params = (self.params if limit == self.params.max_new_tokens
+                  else replace(self.params, max_new_tokens=limit))
         request_id = episode.key + (episode.turns << TURN_SHIFT)
         resume = episode.last_request if episode.turns else None
         self.engine.add(Request(request_id, prompt, params, park=not last_turn, resume=resume))
@@ -174,7 +181,8 @@ class Turns:
                 if not isinstance(step, Step):
                     raise TypeError(f"env.step returned {type(step).__name__}, not envs.Step")
                 reward = float(step.reward)
-            except Exception:  # noqa: BLE001 — whatever a broken environment raises ends its episode, counted
+            except Exception:  # noqa: BLE001
+                # whatever a broken environment raises ends its episode, counted
                 self.count("env_errors")
                 ended.append(self._end(episode, "env_error"))
                 continue
@@ -241,11 +249,12 @@ class Turns:
 
     def matches_rendering(self, episode: Episode) -> bool:
         """The record against the whole conversation rendered at once by the chat template (with each turn's
-        text as decoded): the token-in, token-out record must be a prefix of it. A mismatch can also come from the
-        policy sampling a non-canonical tokenization of its text, which the record keeps as sampled."""
+        text as decoded): the token-in, token-out record must be a prefix of it. A mismatch can also come from
+        the policy sampling a non-canonical tokenization of its text, which the record keeps as sampled."""
         messages = episode.messages
         ends_with_reply = messages[-1]["role"] == "assistant"
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not ends_with_reply,
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=not ends_with_reply,
                                                   **({"tools": self.task.tools} if self.task.tools else {}),
                                                   **self.renderer.options)
         rendered = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -266,7 +275,8 @@ def _step(env, text: str, delay: float) -> Step:
 
 
 def vocabulary(tokenizer) -> list[str]:
-    """The text of every token id (decoded alone), computed once per tokenizer: stop strings are matched on it."""
+    """The text of every token id (decoded alone), computed once per tokenizer: stop strings are matched on
+    it."""
     texts = getattr(tokenizer, "ringrl_vocabulary", None)
     if texts is None:
         texts = tokenizer.ringrl_vocabulary = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])

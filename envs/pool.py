@@ -1,11 +1,11 @@
 """Environment steps beside the engine: a pool of daemon threads, each step with a deadline.
 
 Generation never waits for an environment. The rollout worker submits `env.step(text)` and polls; a step that
-passes its deadline is abandoned (its episode ends `env_timeout`) and its thread is written off: a thread cannot
-be killed, so the pool starts another in its place and counts the stuck ones. Threads are daemons, so a step
-that never returns cannot hold the process at exit. Threads suit trusted pure-Python environments and waits
-that use no core (a remote tool, a sleep); anything that runs model-written code goes through the sandbox
-(rewards/sandbox.py) from inside its step, which bounds it in time and memory.
+passes its deadline is abandoned (its episode ends `env_timeout`) and its thread is written off: a thread
+cannot be killed, so the pool starts another in its place and counts the stuck ones. Threads are daemons, so a
+step that never returns cannot hold the process at exit. Threads suit trusted pure-Python environments and
+waits that use no core (a remote tool, a sleep); anything that runs model-written code goes through the
+sandbox (rewards/sandbox.py) from inside its step, which bounds it in time and memory.
 """
 import queue
 import threading
@@ -59,7 +59,8 @@ class StepPool:
             job.started = time.monotonic()
             try:
                 job.value = job.fn(*job.args)
-            except BaseException as error:  # noqa: B902 — a hostile tool may raise anything; it ends its episode
+            except BaseException as error:  # noqa: B902
+                # a hostile tool may raise anything; it ends its episode
                 job.error = error
             job.finished = time.monotonic()
             job._done.set()

@@ -20,9 +20,11 @@ class Renderer:
         text = self._text(self.base)
         start = text.find(MARK)
         if start < 0:
-            raise ValueError("the chat template drops an assistant reply; it cannot render multi-turn episodes")
+            raise ValueError("the chat template drops an assistant reply; it cannot render "
+                             "multi-turn episodes")
         after = text[start + len(MARK):]
-        # The end-of-turn marker: what the template writes right after a reply, up to its end-of-sequence text.
+        # The end-of-turn marker: what the template writes right after a reply, up to its end-of-sequence
+        # text.
         eos = tokenizer.eos_token or ""
         cut = after.find(eos) + len(eos) if eos and eos in after else len(after.rstrip("\n")) if after else 0
         self.cut = start + len(MARK) + cut
@@ -31,8 +33,10 @@ class Renderer:
         self.end_of_turn = tokenizer(after[:cut], add_special_tokens=False)["input_ids"]
 
     def _text(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **({"tools": self.tools} if self.tools else {}), **self.options)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt,
+                                                  **({"tools": self.tools} if self.tools else {}),
+                                                  **self.options)
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The first messages, ready for the assistant's reply."""
@@ -49,7 +53,8 @@ class Renderer:
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The question as a chat turn, ready for the assistant's reply (with the options tasks.load_tokenizer gave)."""
+    """The question as a chat turn, ready for the assistant's reply (with the options tasks.load_tokenizer
+    gave)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True,
                                          **getattr(tokenizer, "ringrl_chat_template", {}))

@@ -12,13 +12,15 @@ from typing import Callable
 from envs import Step
 from envs.tools import Toolbox, ToolError, parse_call
 
-COUNT = {"parse": "parse_errors", "unknown": "unknown_tools", "error": "tool_errors", "timeout": "tool_timeouts"}
+COUNT = {"parse": "parse_errors", "unknown": "unknown_tools", "error": "tool_errors",
+         "timeout": "tool_timeouts"}
 
 
 class ToolEnv:
     def __init__(self, toolbox: Toolbox, fmt: str, score: Callable[[str, str], float],
                  prompt: Callable[[object], list[dict]]):
-        """`prompt(example)`: the first messages; `score(final_reply, example.answer)`: the episode's reward."""
+        """`prompt(example)`: the first messages; `score(final_reply, example.answer)`: the episode's
+        reward."""
         self.toolbox, self.fmt, self.score, self.prompt = toolbox, fmt, score, prompt
         self.answer = ""
 

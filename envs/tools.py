@@ -1,9 +1,9 @@
 """The tools a multi-turn episode lets the model call, and how a call is read out of the model's text.
 
-    call = parse_call("Let me check. <calc>347*29</calc>", "tags")     # Call("calc", {"expression": "347*29"})
+    call = parse_call("Let me check. <calc>347*29</calc>", "tags")    # Call("calc", {"expression": "347*29"})
     box = Toolbox(("calc", "python"), python_limits=Limits(timeout_s=3, memory_mb=512, processes=8,
                                                            file_mb=4, output_kb=64))
-    box.call(call)                                                     # "10063"
+    box.call(call)                                                    # "10063"
 
 Two call formats: `tags` (`<calc>EXPR</calc>`, `<python>CODE</python>`), which any base model can learn, and
 `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), what Qwen2.5-style chat templates emit
@@ -32,9 +32,9 @@ MAX_MESSAGE = 300  # characters of a program's error shown back to the model
 
 
 class ToolError(Exception):
-    """A tool call that failed; str(error) is a short one-line message shown to the model as the tool's answer.
-    kind: "parse" (the call itself is malformed), "unknown" (no such tool), "error" (the tool ran and failed),
-    "timeout" (the tool ran out of time)."""
+    """A tool call that failed; str(error) is a short one-line message shown to the model as the tool's
+    answer. kind: "parse" (the call itself is malformed), "unknown" (no such tool), "error" (the tool ran and
+    failed), "timeout" (the tool ran out of time)."""
 
     def __init__(self, kind: str, message: str):
         assert kind in ("parse", "unknown", "error", "timeout"), kind
@@ -58,8 +58,9 @@ def stop_strings(fmt: str) -> tuple[str, ...]:
 
 
 def parse_call(text: str, fmt: str) -> Call | None:
-    """The first tool call in a model turn's text; None when the turn calls no tool (a final answer). Text after
-    the call's closing tag is ignored: the tool answers the call, not what the model imagined came next."""
+    """The first tool call in a model turn's text; None when the turn calls no tool (a final answer). Text
+    after the call's closing tag is ignored: the tool answers the call, not what the model imagined came
+    next."""
     if fmt == "tags":
         found = {name: text.find(f"<{name}>") for name in TAG_NAMES if f"<{name}>" in text}
         if not found:
@@ -84,17 +85,19 @@ def parse_call(text: str, fmt: str) -> Call | None:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ToolError("parse", 'a tool call is a JSON object {"name": ..., "arguments": {...}}')
         if not isinstance(call.get("arguments"), dict):
-            raise ToolError("parse", f"the call to '{call['name'][:50]}' needs \"arguments\" as a JSON object")
+            raise ToolError("parse",
+                            f"the call to '{call['name'][:50]}' needs \"arguments\" as a JSON object")
         return Call(call["name"], call["arguments"])
     raise unknown("tool call format", fmt, FORMATS)
 
 
 class _Arithmetic:
-    """A recursive-descent parser that computes as it reads, over exact fractions (floats only for a power with
-    a fractional exponent). Every value is checked as it is made, so hostile input fails in microseconds.
+    """A recursive-descent parser that computes as it reads, over exact fractions (floats only for a power
+    with a fractional exponent). Every value is checked as it is made, so hostile input fails in microseconds.
 
         expr  := term (("+" | "-") term)*          term  := unary (("*" | "/" | "//" | "%") unary)*
-        unary := ("-" | "+") unary | power          power := atom ("**" unary)?       atom := NUMBER | "(" expr ")"
+        unary := ("-" | "+") unary | power          power := atom ("**" unary)?
+        atom  := NUMBER | "(" expr ")"
     """
     TOKEN = re.compile(r"\s*(?:(\d+\.?\d*|\.\d+)|(\*\*|//|[-+*/%()]))")
 
@@ -106,7 +109,8 @@ class _Arithmetic:
             if match is None:
                 rest = expression[position:].lstrip()
                 hint = "; write powers as **" if rest.startswith("^") else ""
-                raise ToolError("error", f"not arithmetic at {rest[:20]!r}: use numbers, + - * / // % ** and ( ){hint}")
+                raise ToolError("error", f"not arithmetic at {rest[:20]!r}: "
+                                f"use numbers, + - * / // % ** and ( ){hint}")
             self.tokens.append(match.group(1) or match.group(2))
             position = match.end()
 
@@ -146,7 +150,8 @@ class _Arithmetic:
         if token is not None and token[0] in "0123456789.":
             return _bounded(Fraction(token))
         if token != "(":
-            raise ToolError("error", f"expected a number or ( but found {repr(token) if token else 'the end'}")
+            raise ToolError("error",
+                            f"expected a number or ( but found {repr(token) if token else 'the end'}")
         value = self.expr(_deeper(depth))
         if self._next() != ")":
             raise ToolError("error", "unbalanced parentheses: a ( is never closed")
@@ -176,8 +181,10 @@ def _apply(op: str, a, b):
     too long to write out (exponent * log10(base) digits)."""
     if op == "**" and isinstance(a, Fraction) and isinstance(b, Fraction) and b.denominator == 1:
         size = max(abs(a.numerator), a.denominator)
-        if size > 1 and (abs(b.numerator) > 10 * MAX_DIGITS or abs(b.numerator) * math.log10(size) > MAX_DIGITS):
-            raise ToolError("error", f"the power is too large: its result would have over {MAX_DIGITS} digits")
+        if size > 1 and (abs(b.numerator) > 10 * MAX_DIGITS
+                         or abs(b.numerator) * math.log10(size) > MAX_DIGITS):
+            raise ToolError("error",
+                            f"the power is too large: its result would have over {MAX_DIGITS} digits")
     try:
         value = OPERATIONS[op](a, b)
     except ZeroDivisionError:
@@ -216,15 +223,16 @@ def calculate(expression: str) -> str:
 
 
 class Toolbox:
-    """The tools one environment offers. names: a subset of TAG_NAMES; python_limits (rewards.sandbox.Limits): the
-    python tool's limits, required when it is offered."""
+    """The tools one environment offers. names: a subset of TAG_NAMES; python_limits (rewards.sandbox.Limits):
+    the python tool's limits, required when it is offered."""
 
     def __init__(self, names: tuple[str, ...], python_limits=None):
         for name in names:
             if name not in TAG_NAMES:
                 raise unknown("tool", name, TAG_NAMES)
         if "python" in names and python_limits is None:
-            raise ValueError("the python tool needs python_limits (a rewards.sandbox.Limits); set them or drop it")
+            raise ValueError("the python tool needs python_limits (a rewards.sandbox.Limits); "
+                             "set them or drop it")
         self.names, self.limits = tuple(names), python_limits
         self.sandbox = Sandbox(python_limits) if "python" in names else None
 
@@ -255,7 +263,8 @@ class Toolbox:
         return run.stdout
 
     def schemas(self) -> list[dict]:
-        """JSON-schema tool descriptions in the OpenAI/Hermes form, for apply_chat_template(..., tools=...)."""
+        """JSON-schema tool descriptions in the OpenAI/Hermes form, for
+        apply_chat_template(..., tools=...)."""
         return [{"type": "function", "function": {
             "name": name, "description": self._description(name),
             "parameters": {"type": "object", "required": [ARGUMENT[name]],
@@ -283,4 +292,4 @@ def __ringrl_tool(write=__import__("os").write):
             write(2, ("\\n{tag}" + type(e).__name__ + (": " + text if text else "") + "\\n").encode(errors="replace"))
         raise
 __ringrl_tool()
-"""
+"""  # noqa: E501

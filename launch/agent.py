@@ -1,8 +1,9 @@
-"""A generator node of a cluster=ray run: the agent, one Ray actor per node, runs the node's rollout workers as
-train.py runs them on one machine (a supervisor, a local ring, a weight store, heartbeats and restarts), and
-answers the trainer node's calls (launch/ray_nodes.py):
+"""A generator node of a cluster=ray run: the agent, one Ray actor per node, runs the node's rollout workers
+as train.py runs them on one machine (a supervisor, a local ring, a weight store, heartbeats and restarts),
+and answers the trainer node's calls (launch/ray_nodes.py):
 
-    agent.exchange(grant, room)     # starts leased from the trainer's gate in; up to `room` finished groups out
+    agent.exchange(grant, room)     # starts leased from the trainer's gate in; up to `room` finished
+                                      groups out
     agent.receive_weights(version)  # this node's part of the trainer node's gloo broadcast, into its store
     agent.stop()                    # the run is over: the workers stop and the supervisor shuts them down
 
@@ -43,7 +44,8 @@ class NodeArgs:
     """One generator node's agent's arguments."""
     node: int  # this node's index in cluster.ray.nodes
     worker_ids: tuple[int, ...]  # its rollout workers' global ids
-    first_groups: tuple[int, ...]  # where each starts (resumed, or a restarted agent: past what was delivered)
+    # where each starts (resumed, or a restarted agent: past what was delivered)
+    first_groups: tuple[int, ...]
     threads: int  # torch threads per rollout worker
     run: NodeRun
     counters: torch.Tensor | None = None  # its workers' counters so far (a restarted agent goes on from them)
@@ -82,20 +84,23 @@ class GeneratorAgent:
         self.group = None  # the gloo group of the weight broadcast
 
         def start(w: int, first_group: int) -> None:
-            worker = RolloutArgs(w, run.workers, cfg, run.setup, run.engine, run.evaluator, self.shared, first_group)
+            worker = RolloutArgs(w, run.workers, cfg, run.setup, run.engine, run.evaluator, self.shared,
+                                 first_group)
             self.sup.start(f"rollout-{w}", run_worker, dict(args=worker), args.threads, essential=True)
 
         delivered_at_start = {w: self.shared.counters.get(w, "groups") for w in args.worker_ids}
 
         def restart(name: str, message: str) -> bool:
-            """As train.py's restart of a rollout worker: up to cluster.max_restarts, unless it never delivered."""
+            """As train.py's restart of a rollout worker: up to cluster.max_restarts, unless it never
+            delivered."""
             w = int(name.split("-")[1])
             counters = self.shared.counters
-            if counters.get(w, "restarts") >= c.max_restarts or counters.get(w, "groups") == delivered_at_start[w]:
+            if counters.get(w, "restarts") >= c.max_restarts \
+                    or counters.get(w, "groups") == delivered_at_start[w]:
                 return False
             lost = self.shared.reclaim(w)  # its unfinished groups' starts go back to this node's lease
-            print(f"warning: node {args.node}: {message.splitlines()[0]}; restarting it, {lost} unfinished groups "
-                  "dropped", file=sys.stderr)
+            print(f"warning: node {args.node}: {message.splitlines()[0]}; restarting it, {lost} unfinished "
+                  "groups dropped", file=sys.stderr)
             delivered_at_start[w] = counters.get(w, "groups")
             start(w, counters.get(w, "next_group"))
             return True
@@ -118,8 +123,8 @@ class GeneratorAgent:
         return ray.get_runtime_context().get_node_id()
 
     def join_weights(self, init_method: str, rank: int, world: int, timeout_s: float) -> None:
-        """Join the trainer node's gloo group (rank 0 is the trainer node), leaving the one before if any: every
-        init has a deadline."""
+        """Join the trainer node's gloo group (rank 0 is the trainer node), leaving the one before if any:
+        every init has a deadline."""
         import torch.distributed as dist
 
         if self.group is not None:
@@ -129,14 +134,15 @@ class GeneratorAgent:
 
         from launch.ray_cluster import gloo_on
 
-        with gloo_on(ray.util.get_node_ip_address()):  # this machine's address, where the trainer node reaches it
+        # this machine's address, where the trainer node reaches it
+        with gloo_on(ray.util.get_node_ip_address()):
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
         self.group = dist.group.WORLD
 
     def receive_weights(self, version: int) -> float:
-        """This node's end of the trainer node's broadcast of `version`, straight into its store (whose readers
-        see it once complete); the seconds it took."""
+        """This node's end of the trainer node's broadcast of `version`, straight into its store (whose
+        readers see it once complete); the seconds it took."""
         import time
 
         import torch.distributed as dist
@@ -149,7 +155,8 @@ class GeneratorAgent:
         return time.perf_counter() - start
 
     def exchange(self, grant: int, room: int, wait_s: float) -> Exchange:
-        """Add `grant` leased starts; hand over up to `room` finished groups, waiting up to `wait_s` for a first."""
+        """Add `grant` leased starts; hand over up to `room` finished groups, waiting up to `wait_s` for a
+        first."""
         if grant:
             self.shared.gate.grant(grant)
         groups = []
@@ -158,13 +165,13 @@ class GeneratorAgent:
             if group is None:
                 break
             groups.append(group)
-        return Exchange(groups, self.shared.counters.rows(list(self.args.worker_ids)), self.shared.gate.unused,
-                        self.error)
+        return Exchange(groups, self.shared.counters.rows(list(self.args.worker_ids)),
+                        self.shared.gate.unused, self.error)
 
     def exit(self) -> None:
         """End this actor's process the way a Python program ends, so that what it created goes with it: the
-        named semaphores of its ring, gate and queues (multiprocessing unlinks them at exit; a kill would leave
-        them in /dev/shm)."""
+        named semaphores of its ring, gate and queues (multiprocessing unlinks them at exit; a kill would
+        leave them in /dev/shm)."""
         import ray
 
         ray.actor.exit_actor()

@@ -7,7 +7,8 @@ preset may also set keys of other sections), then the command line. Presets set 
 schema; `tests/test_config.py` refuses a preset that repeats a default.
 
 `parse` turns the composed config into the schema's dataclasses and checks every value; `check_overrides` runs
-before Hydra so that a mistyped command line gets one line (naming the key) instead of Hydra's multi-line report.
+before Hydra so that a mistyped command line gets one line (naming the key) instead of Hydra's multi-line
+report.
 """
 import difflib
 import os
@@ -24,7 +25,8 @@ GROUPS = ("algo", "task", "model", "cluster")
 
 
 def register() -> None:
-    """Hand the schema to Hydra's ConfigStore (before composing): `schema`, and every rule's and task's Config."""
+    """Hand the schema to Hydra's ConfigStore (before composing): `schema`, and every rule's and task's
+    Config."""
     from hydra.core.config_store import ConfigStore
 
     import algos
@@ -35,7 +37,8 @@ def register() -> None:
     for group, registry in (("algo", algos), ("task", tasks)):
         for name in registry.names():
             store.store(group=f"schema/{group}", name=name, node=registry.get(name).Config)
-            if not _has_preset(group, name):  # a part with no preset of its own: `algo=<name>` selects its schema
+            # a part with no preset of its own: `algo=<name>` selects its schema
+            if not _has_preset(group, name):
                 store.store(group=group, name=name, node={"defaults": [{f"/schema/{group}@{group}": name}]},
                             package="_global_")
 
@@ -86,15 +89,16 @@ def _one_line(e: OmegaConfBaseException, typed) -> str:
         near = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         guess = f", did you mean '{parent + '.' if parent else ''}{near[0]}'?" if near else ""
         return f"unknown config key '{key}'{group}{guess} (known: {', '.join(known)})"
-    if isinstance(e, ValidationError) and e.object_type is not None and e.key in get_type_hints(e.object_type):
+    if isinstance(e, ValidationError) and e.object_type is not None \
+            and e.key in get_type_hints(e.object_type):
         kind = get_type_hints(e.object_type)[e.key]
         return f"config key '{key}' must be of type {getattr(kind, '__name__', kind)} (got {e.value!r})"
     return f"config key '{key}': {e.msg.splitlines()[0]}"
 
 
 def check_overrides(args: list[str]) -> None:
-    """Refuse, before Hydra sees them, command-line overrides naming an unknown group option or key, or giving a
-    value of the wrong type: each is checked against the schema of every option the command line selects."""
+    """Refuse, before Hydra sees them, command-line overrides naming an unknown group option or key, or giving
+    a value of the wrong type: each is checked against the schema of every option the command line selects."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -105,8 +109,9 @@ def check_overrides(args: list[str]) -> None:
             parsed += [o for o in parser.parse_overrides([a])
                        if not o.key_or_group.startswith("hydra") and not o.is_delete()]
         except OverrideParseException as e:
-            raise ValueError(f"cannot parse {a!r} ({str(e).splitlines()[0]}): quote a value holding '=' or ',' "
-                             "(key='a=b'; https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+            raise ValueError(f"cannot parse {a!r} ({str(e).splitlines()[0]}): quote a value holding "
+                             "'=' or ',' (key='a=b'; "
+                             "https://hydra.cc/docs/advanced/override_grammar/basic)") from None
     choices = {group: [option] for group, option in default_choices().items()}
     for o in parsed:
         if o.key_or_group in GROUPS:
@@ -128,8 +133,8 @@ def check_overrides(args: list[str]) -> None:
 
 
 def options_of(group: str) -> list[str]:
-    """The options of a config group: its presets, conf/<group>/*.yaml, and for `algo` and `task` every rule or
-    task module (a part needs a preset only to set other keys)."""
+    """The options of a config group: its presets, conf/<group>/*.yaml, and for `algo` and `task` every rule
+    or task module (a part needs a preset only to set other keys)."""
     presets = {f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml")}
     if group in ("algo", "task"):
         import algos
@@ -163,11 +168,13 @@ def preset_name(group: str, option: str) -> str:
             (key, value), = item.items()
             if key == f"/schema/{group}@{group}":
                 return value
-    raise ValueError(f"conf/{group}/{option}.yaml must pull its schema: defaults: [/schema/{group}@{group}: <name>]")
+    raise ValueError(f"conf/{group}/{option}.yaml must pull its schema: "
+                     f"defaults: [/schema/{group}@{group}: <name>]")
 
 
 def _values(o) -> list:
-    """An override's value, or each value of a sweep (`a=1,2`); a sweep Hydra expands otherwise is not checked."""
+    """An override's value, or each value of a sweep (`a=1,2`); a sweep Hydra expands otherwise is not
+    checked."""
     if not o.is_sweep_override():
         return [o.value()]
     try:

@@ -1,17 +1,18 @@
 """How the launcher starts its processes on the CPU: forked from a server that has already imported torch,
 transformers and ringrl's worker modules.
 
-With `spawn`, every rollout worker and trainer rank imports torch and transformers itself: 3-8 s each on a 2-core
-CPU, two at a time, after the launcher's own set-up. The forkserver does those imports once, while the launcher
-sets up, so a child starts with them done. Each child still receives its arguments pickled, as under `spawn`, and
-runs `launch/supervisor.py`'s `_child_main`, which first takes the launcher's environment as it is at that start.
+With `spawn`, every rollout worker and trainer rank imports torch and transformers itself: 3-8 s each on a
+2-core CPU, two at a time, after the launcher's own set-up. The forkserver does those imports once, while the
+launcher sets up, so a child starts with them done. Each child still receives its arguments pickled, as under
+`spawn`, and runs `launch/supervisor.py`'s `_child_main`, which first takes the launcher's environment as it
+is at that start.
 
-With CUDA the launcher keeps `spawn`: a child forked from a process that has touched the CUDA driver cannot use it,
-and importing transformers may touch it.
+With CUDA the launcher keeps `spawn`: a child forked from a process that has touched the CUDA driver cannot
+use it, and importing transformers may touch it.
 
 Process tree: launcher -> forkserver -> children. The forkserver dies with the launcher (PR_SET_PDEATHSIG,
-set when it imports this module), and each child with the forkserver (`_child_main`), so a killed launcher still
-leaves nothing behind.
+set when it imports this module), and each child with the forkserver (`_child_main`), so a killed launcher
+still leaves nothing behind.
 """
 import ctypes
 import multiprocessing as mp
@@ -23,24 +24,27 @@ from multiprocessing import forkserver
 from launch.memory import children, stat_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What every rollout worker and trainer rank imports. The rest of a model family's code (modeling_qwen2, ...) is
-# small once these are in.
+# What every rollout worker and trainer rank imports. The rest of a model family's code (modeling_qwen2, ...)
+# is small once these are in.
 PRELOAD = ("rollout", "trainer.loop", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama")
-_LAUNCHER = "RINGRL_FORKSERVER_LAUNCHER"  # set only in the environment the forkserver starts with: its parent's pid
-_STARTED: set[int] = set()  # in the launcher: the processes `context` started (the forkserver, a resource tracker)
+# set only in the environment the forkserver starts with: its parent's pid
+_LAUNCHER = "RINGRL_FORKSERVER_LAUNCHER"
+# in the launcher: the processes `context` started (the forkserver, a resource tracker)
+_STARTED: set[int] = set()
 
 
 def context(device_type: str):
-    """The multiprocessing context for the launcher's processes: on the CPU, a forkserver started now (its imports
-    run beside the launcher's set-up), else `spawn`."""
+    """The multiprocessing context for the launcher's processes: on the CPU, a forkserver started now (its
+    imports run beside the launcher's set-up), else `spawn`."""
     if device_type != "cpu":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, *PRELOAD])
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", _LAUNCHER)}
     # The forkserver is a fresh `python -c`: before Python 3.13 it does not take the launcher's sys.path, so
-    # ringrl's modules would not import there. Its children take the launcher's environment back (_child_main).
+    # ringrl's modules would not import there. Its children take the launcher's environment back
+    # (_child_main).
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, saved["PYTHONPATH"]) if p)
     os.environ[_LAUNCHER] = str(os.getpid())
     try:
@@ -80,8 +84,8 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def _die_with(launcher: int) -> None:
-    """Linux: the kernel kills this process when the launcher, its parent, dies, even by SIGKILL; if the launcher
-    is already gone, exit now."""
+    """Linux: the kernel kills this process when the launcher, its parent, dies, even by SIGKILL; if the
+    launcher is already gone, exit now."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -90,5 +94,6 @@ def _die_with(launcher: int) -> None:
         os._exit(1)
 
 
-if _LAUNCHER in os.environ:  # this is the forkserver, importing its preload (a launcher that failed at once is gone)
+# this is the forkserver, importing its preload (a launcher that failed at once is gone)
+if _LAUNCHER in os.environ:
     _die_with(int(os.environ[_LAUNCHER]))

@@ -1,4 +1,5 @@
-"""The GPU layout: which GPUs run SGLang generation engines (in tensor-parallel groups) and which run FSDP2 ranks.
+"""The GPU layout: which GPUs run SGLang generation engines (in tensor-parallel groups) and which run FSDP2
+ranks.
 
     plan_layout(8)                         # 4 generation engines (tp 1) on GPUs 0-3, 4 trainer ranks on 4-7
     plan_layout(8, gen_gpus=6)             # 6 engines + 2 trainer ranks
@@ -51,8 +52,9 @@ class Layout:
         engines = ", ".join("+".join(map(str, g)) for g in self.gen_groups)
         share = " (time-shared)" if self.time_shared else ""
         return (f"generation: {self.num_engines} engine(s) tp={self.tp_size} on GPU {engines}; "
-                f"training: {self.num_trainer_ranks} FSDP2 rank(s) on GPU {','.join(map(str, self.train_gpus))}"
-                f"{share}; mem_fraction_static={self.mem_fraction_static}")
+                f"training: {self.num_trainer_ranks} FSDP2 rank(s) on GPU "
+                f"{','.join(map(str, self.train_gpus))}{share}; "
+                f"mem_fraction_static={self.mem_fraction_static}")
 
 
 def plan_layout(num_gpus: int, gen_gpus: int = 0, train_gpus: int = 0, tp_size: int = 0,
@@ -72,7 +74,8 @@ def plan_layout(num_gpus: int, gen_gpus: int = 0, train_gpus: int = 0, tp_size: 
         raise ValueError(f"GPU counts must be >= 0 "
                          f"(got gen_gpus={gen_gpus}, train_gpus={train_gpus}, tp_size={tp_size})")
     if not 0 <= mem_fraction < 1:
-        raise ValueError(f"cluster.mem_fraction_static must be in (0, 1) (0: the default), got {mem_fraction}")
+        raise ValueError(f"cluster.mem_fraction_static must be in (0, 1) (0: the default), "
+                         f"got {mem_fraction}")
     if num_gpus == 1:
         return _time_shared(gen_gpus, train_gpus, tp_size, mem_fraction, model_bytes, gpu_bytes)
 
@@ -85,7 +88,8 @@ def plan_layout(num_gpus: int, gen_gpus: int = 0, train_gpus: int = 0, tp_size: 
     if train_gpus == 0:
         train_gpus = num_gpus - gen_gpus
     if gen_gpus % tp:
-        raise ValueError(f"tp_size={tp} does not divide the {gen_gpus} generation GPUs; use a multiple of {tp}")
+        raise ValueError(f"tp_size={tp} does not divide the {gen_gpus} generation GPUs; "
+                         f"use a multiple of {tp}")
     if train_gpus < 1 or gen_gpus + train_gpus > num_gpus:
         raise ValueError(f"{gen_gpus} generation + {train_gpus} training GPUs do not fit in the {num_gpus} "
                          f"visible; lower cluster.gen_gpus or cluster.train_gpus")

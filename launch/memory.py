@@ -1,4 +1,5 @@
-"""Memory of a process tree, as the kernel accounts it (Linux /proc), and shared memory nobody holds any more."""
+"""Memory of a process tree, as the kernel accounts it (Linux /proc), and shared memory nobody holds any
+more."""
 import os
 
 
@@ -37,7 +38,8 @@ def _pss_kb(pid: int) -> int:
 
 
 def tree_pss_mb(root: int | None = None) -> float:
-    """Total proportional resident memory of `root` (default: this process) and all its descendants, in MiB."""
+    """Total proportional resident memory of `root` (default: this process) and all its descendants, in
+    MiB."""
     todo, total = [root or os.getpid()], 0
     while todo:
         pid = todo.pop()
@@ -47,7 +49,8 @@ def tree_pss_mb(root: int | None = None) -> float:
 
 
 def tree_peak_rss_mb(root: int | None = None) -> float:
-    """The largest peak resident set (VmHWM) of any one process in `root`'s tree (default: this process), in MiB."""
+    """The largest peak resident set (VmHWM) of any one process in `root`'s tree (default: this process), in
+    MiB."""
     todo, peak = [root or os.getpid()], 0
     while todo:
         pid = todo.pop()
@@ -61,9 +64,9 @@ def tree_peak_rss_mb(root: int | None = None) -> float:
 
 
 def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
-    """The same total as `tree_pss_mb()`, split: this process alone ("launcher"), the subtree of each process in
-    `names` under its name, wherever it sits below (a forkserver's children are the launcher's grandchildren),
-    and the processes in between and the subtrees of others under "other", in MiB."""
+    """The same total as `tree_pss_mb()`, split: this process alone ("launcher"), the subtree of each process
+    in `names` under its name, wherever it sits below (a forkserver's children are the launcher's
+    grandchildren), and the processes in between and the subtrees of others under "other", in MiB."""
     parts, todo = {"launcher": _pss_kb(os.getpid()) / 1024}, children(os.getpid())
     while todo:
         pid = todo.pop()
@@ -77,11 +80,13 @@ def tree_pss_parts_mb(names: dict[int, str]) -> dict[str, float]:
 
 def remove_unmapped_semaphores() -> list[str]:
     """Remove multiprocessing's named semaphores (/dev/shm/sem.mp-*) that no live process has mapped: what a
-    process tree killed whole leaves (its resource tracker killed with it, as when a Ray node's raylet dies). An
-    open semaphore stays mapped, and multiprocessing keeps every one it uses open, so nothing in use goes. glibc
-    maps a new semaphore before it has its name, and /proc/PID/maps may show the temporary one: matched by inode."""
+    process tree killed whole leaves (its resource tracker killed with it, as when a Ray node's raylet dies).
+    An open semaphore stays mapped, and multiprocessing keeps every one it uses open, so nothing in use goes.
+    glibc maps a new semaphore before it has its name, and /proc/PID/maps may show the temporary one: matched
+    by inode."""
     try:
-        inodes = {os.stat(f"/dev/shm/{n}").st_ino: n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+        inodes = {os.stat(f"/dev/shm/{n}").st_ino: n for n in os.listdir("/dev/shm")
+                  if n.startswith("sem.mp-")}
     except OSError:
         return []
     for entry in os.listdir("/proc"):

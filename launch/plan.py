@@ -47,8 +47,8 @@ def resolve_precision(rollout_dtype: str, autocast: str, plan: str) -> tuple[str
     mixed = autocast if autocast != "auto" else ("bfloat16" if native else "none")
     notice = None
     if not native and "auto" in (rollout_dtype, autocast):
-        notice = ("notice: this CPU has no native bf16 (no AVX-512), so generation and training run in float32 "
-                  "(rollout.dtype=bfloat16 train.autocast=bfloat16 force bf16)")
+        notice = ("notice: this CPU has no native bf16 (no AVX-512), so generation and training run in "
+                  "float32 (rollout.dtype=bfloat16 train.autocast=bfloat16 force bf16)")
     return dtype, mixed, notice
 
 
@@ -56,9 +56,9 @@ PLAN_NAMES = {"cpu": "the CPU plan", "gpu": "the GPU plan (CUDA GPUs)"}
 
 
 def engine_kind(choice: str, plan: str) -> tuple[str, str | None]:
-    """The engine (a name of engines.ENGINES) for `rollout.engine=choice` on this plan, and a one-line notice when
-    auto had to settle for a slower one. Decided from what each engine's spec says it can do: the plans it runs
-    on, the package it needs, its preference (engines/base.py EngineSpec), never from its name."""
+    """The engine (a name of engines.ENGINES) for `rollout.engine=choice` on this plan, and a one-line notice
+    when auto had to settle for a slower one. Decided from what each engine's spec says it can do: the plans
+    it runs on, the package it needs, its preference (engines/base.py EngineSpec), never from its name."""
     from engines import ENGINES
 
     specs = {name: ENGINES.get(name).SPEC for name in ENGINES.names()}
@@ -71,13 +71,14 @@ def engine_kind(choice: str, plan: str) -> tuple[str, str | None]:
         chosen = next(n for n in runnable if installed(n))
         best = specs[runnable[0]]
         notice = None if chosen == runnable[0] else (
-            f"notice: {best.requires} is not installed, so {PLAN_NAMES[plan].split(' (')[0]} generates with the "
-            f"{chosen} engine (slower; {best.install} for {runnable[0]})")
+            f"notice: {best.requires} is not installed, so {PLAN_NAMES[plan].split(' (')[0]} generates with "
+            f"the {chosen} engine (slower; {best.install} for {runnable[0]})")
         return chosen, notice
     spec = specs[choice]  # the schema has refused names that are not engines
     if plan not in spec.plans:
         instead = f"; use rollout.engine={runnable[0]} here" if runnable else ""
-        raise ValueError(f"rollout.engine={choice} needs {' or '.join(PLAN_NAMES[p] for p in spec.plans)}{instead}")
+        raise ValueError(f"rollout.engine={choice} needs "
+                         f"{' or '.join(PLAN_NAMES[p] for p in spec.plans)}{instead}")
     if not installed(choice):
         raise ValueError(f"rollout.engine={choice}: {spec.requires} is not installed; {spec.install}, or use "
                          f"rollout.engine={next(n for n in runnable if installed(n))}")
@@ -91,8 +92,8 @@ class Plan(Protocol):
     max_restarts: int  # a dead rollout worker is restarted this many times
 
     def weights(self, meta_model, dtype: str = "float32"):
-        """The weight path (engines.base.WeightPath) for this model's parameters, built before any spawn. `dtype`:
-        the engines' (rollout.dtype, settled), in which the CPU plan's store holds them."""
+        """The weight path (engines.base.WeightPath) for this model's parameters, built before any spawn.
+        `dtype`: the engines' (rollout.dtype, settled), in which the CPU plan's store holds them."""
         ...
 
     def engine(self, worker: int, max_batch: int, max_len: int, dtype: str):
@@ -160,7 +161,8 @@ def cores_for(cluster, plan: Plan, max_staleness: int):
 
 
 def quiet_libraries() -> None:
-    """Before loading anything: no tokenizer threads beside ours, one progress bar (ours), not one per load."""
+    """Before loading anything: no tokenizer threads beside ours, one progress bar (ours), not one per
+    load."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

@@ -1,6 +1,6 @@
-"""The Ray cluster under cluster=ray (launch/ray_nodes.py drives the nodes on it): importing Ray, the simulated
-cluster on this machine and what it leaves, the address checks, the command that joins a machine, and the
-deadline-bound `ray.get` every call goes through.
+"""The Ray cluster under cluster=ray (launch/ray_nodes.py drives the nodes on it): importing Ray, the
+simulated cluster on this machine and what it leaves, the address checks, the command that joins a machine,
+and the deadline-bound `ray.get` every call goes through.
 """
 import contextlib
 import fcntl
@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def import_ray():
-    """Import Ray (an optional extra), on loopback where the cluster is simulated: without these, ray.init picks the
-    machine's own interface and retries for minutes."""
+    """Import Ray (an optional extra), on loopback where the cluster is simulated: without these, ray.init
+    picks the machine's own interface and retries for minutes."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
@@ -44,7 +44,8 @@ def interface_of(address: str) -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
-                found = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                # SIOCGIFADDR
+                found = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
             except OSError:  # no IPv4 address
                 continue
             if socket.inet_ntoa(found[20:24]) == address:
@@ -54,14 +55,15 @@ def interface_of(address: str) -> str | None:
 
 @contextlib.contextmanager
 def gloo_on(address: str):
-    """Within it, a gloo group this process joins listens on the interface of `address` (this node's Ray address),
-    unless GLOO_SOCKET_IFNAME says otherwise: by default gloo takes what the hostname resolves to, which on many
-    machines (a container's 127.0.0.1, Debian's 127.0.1.1) is the loopback, where no other machine reaches it, and
-    the group's init ends in a connect timeout."""
+    """Within it, a gloo group this process joins listens on the interface of `address`
+    (this node's Ray address), unless GLOO_SOCKET_IFNAME says otherwise: by default gloo takes what the
+    hostname resolves to, which on many machines (a container's 127.0.0.1, Debian's 127.0.1.1) is the
+    loopback, where no other machine reaches it, and the group's init ends in a connect timeout."""
     loopback = address.startswith("127.")  # a simulated cluster: every peer is on this machine
     name = None if loopback or os.environ.get("GLOO_SOCKET_IFNAME") else interface_of(address)
     if name:
-        os.environ["GLOO_SOCKET_IFNAME"] = name  # read when the group is made; the process's other groups keep theirs
+        # read when the group is made; the process's other groups keep theirs
+        os.environ["GLOO_SOCKET_IFNAME"] = name
     try:
         yield
     finally:
@@ -70,7 +72,8 @@ def gloo_on(address: str):
 
 
 def kill_ray_below(root: int) -> None:
-    """Kill every Ray process in `root`'s tree (a simulated cluster's daemons and workers), and wait for them."""
+    """Kill every Ray process in `root`'s tree (a simulated cluster's daemons and workers), and wait for
+    them."""
     from launch.reaper import kill_and_wait, tree
 
     def is_ray(pid: int) -> bool:
@@ -102,9 +105,9 @@ def check_address(address: str, timeout: float) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=min(timeout, 10.0)).close()
     except OSError as e:
-        raise TimeoutError(f"cluster.ray.address={address}: nothing answers there ({e.strerror or e}); start Ray "
-                           f"there with `ray start --head --port={port}`, or leave the address empty to simulate "
-                           "the nodes on this machine") from None
+        raise TimeoutError(f"cluster.ray.address={address}: nothing answers there ({e.strerror or e}); "
+                           f"start Ray there with `ray start --head --port={port}`, or leave the address "
+                           "empty to simulate the nodes on this machine") from None
 
 
 def answers(address: str) -> bool:
@@ -125,8 +128,10 @@ def first_line(error: Exception) -> str:
 
 
 def get(ray, refs, timeout: float, what: str):
-    """ray.get with a deadline (without one it waits forever and ignores signals); a one-line error naming `what`."""
+    """ray.get with a deadline (without one it waits forever and ignores signals); a one-line error naming
+    `what`."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"{what} did not answer within {timeout:g} s (cluster.ray.call_timeout_s)") from None
+        raise TimeoutError(f"{what} did not answer within {timeout:g} s "
+                           "(cluster.ray.call_timeout_s)") from None

@@ -2,25 +2,26 @@
 
     nodes = RayNodes(cfg.cluster.ray, first_worker=plan.rollout_workers)
     nodes.start(NodeRun(...), shared, engine_slots, first_groups)
-    ...                                       # the trainer node's own workers and trainer ranks, as on one machine
+    ...                                       # the trainer node's own workers and trainer ranks,
+                                                as on one machine
     nodes.close()                             # generator nodes stopped, Ray shut down, nothing left running
 
 train.py runs on the trainer node (a real cluster's head; with cluster.ray.address="" Ray starts here and
 simulates every node on this machine). One agent actor per generator node (launch/agent.py), each in its own
-bundle of a STRICT_SPREAD placement group, runs that node's rollout workers. A forwarding thread here, the only
-writer of those workers' lanes in the trainer node's ring, loops over the nodes:
+bundle of a STRICT_SPREAD placement group, runs that node's rollout workers. A forwarding thread here, the
+only writer of those workers' lanes in the trainer node's ring, loops over the nodes:
 - it leases group starts from the trainer's StalenessGate (at most a node's engine capacity unused at a time)
   and sends them with its call, so every group started anywhere was counted by the one gate;
 - it takes at most as many finished groups as the node's lanes here have free slots (back-pressure: a full
   lane stops the node, whose own ring then fills and stops its workers), and copies its counters;
-- after each optimizer step it broadcasts the new weights to every generator node's store over gloo (the object
-  store would take seconds for a model's weights).
+- after each optimizer step it broadcasts the new weights to every generator node's store over gloo (the
+  object store would take seconds for a model's weights).
 A node that fails a call (Ray's health checks end a lost node's actor) is dropped with one warning line: its
 lease not yet delivered goes back to the gate, as `Shared.reclaim` does for a dead worker, and the run goes on
-with the other nodes. A machine that joins the cluster later with the cores asked for replaces it: Ray moves the
-lost node's bundle of the placement group there, and a new agent takes over the node's workers where they
-stopped. With nothing left to generate, the run waits cluster.ray.replace_timeout_s for such a machine. Every Ray
-call and collective set-up has a deadline (cluster.ray.call_timeout_s).
+with the other nodes. A machine that joins the cluster later with the cores asked for replaces it: Ray moves
+the lost node's bundle of the placement group there, and a new agent takes over the node's workers where they
+stopped. With nothing left to generate, the run waits cluster.ray.replace_timeout_s for such a machine. Every
+Ray call and collective set-up has a deadline (cluster.ray.call_timeout_s).
 """
 import os
 import statistics
@@ -57,7 +58,8 @@ class NodeCounts:
     lost_groups: int = 0  # leased and never delivered, when its agent failed
     restarts: int = 0  # new agents started for it on its machine
     replacements: int = 0  # new machines that took its place after it was lost
-    newest_version: int = -1  # the newest policy version of a token it delivered: its weights follow the trainer's
+    # the newest policy version of a token it delivered: its weights follow the trainer's
+    newest_version: int = -1
     forward_s: list[float] = field(default_factory=list)  # each call that brought groups: seconds
 
 
@@ -78,7 +80,8 @@ class Node:
 class RayNodes:
     def __init__(self, ray_cfg, first_worker: int):
         self.cfg = ray_cfg
-        ids = iter(range(first_worker, first_worker + sum(n.rollout_workers for n in ray_cfg.generator_nodes)))
+        ids = iter(range(first_worker,
+                         first_worker + sum(n.rollout_workers for n in ray_cfg.generator_nodes)))
         self.nodes = [Node(i, [next(ids) for _ in range(n.rollout_workers)], 0)
                       for i, n in enumerate(ray_cfg.nodes) if n.role == "generator"]
         self.workers = first_worker + sum(len(n.worker_ids) for n in self.nodes)  # every node's together
@@ -97,8 +100,8 @@ class RayNodes:
         self.regroup = False  # the weight broadcast's group must be formed again (a node lost, an agent new)
 
     def start(self, run: NodeRun, shared, engine_slots: int, first_groups: dict[int, int]) -> None:
-        """Start (or join) Ray, place one agent per generator node and start forwarding. engine_slots: sequences
-        one worker's engine holds; first_groups: where each worker starts (a resumed run)."""
+        """Start (or join) Ray, place one agent per generator node and start forwarding. engine_slots:
+        sequences one worker's engine holds; first_groups: where each worker starts (a resumed run)."""
         ray = import_ray()
         self.ray, self.shared, self.run = ray, shared, run
         timeout = self.cfg.call_timeout_s
@@ -107,8 +110,8 @@ class RayNodes:
         if not self.cfg.address:
             self.cluster = simulated_cluster(self.cfg)
             # Its daemons are this process's children; the reaper kills them if this process dies unannounced.
-            self.reaper = subprocess.Popen([sys.executable, "-m", "launch.reaper", str(os.getpid())], cwd=ROOT,
-                                           start_new_session=True)
+            self.reaper = subprocess.Popen([sys.executable, "-m", "launch.reaper", str(os.getpid())],
+                                           cwd=ROOT, start_new_session=True)
         ray.init(address=self.cluster.address if self.cluster else self.cfg.address, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT}}, logging_level="WARNING",
                  configure_logging=False)
@@ -137,16 +140,17 @@ class RayNodes:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         spec = self.cfg.nodes[node.index]
-        args = NodeArgs(node.index, tuple(node.worker_ids), first_groups, max(1, spec.cores // spec.rollout_workers),
-                        self.run, counters)
+        args = NodeArgs(node.index, tuple(node.worker_ids), first_groups,
+                        max(1, spec.cores // spec.rollout_workers), self.run, counters)
         bundle = 1 + self.nodes.index(node)
         agent_class = self.ray.remote(num_cpus=0, max_restarts=0)(GeneratorAgent)
         node.agent = agent_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=bundle)).remote(args)
 
     def _join_weights(self) -> None:
-        """A gloo group of this process (rank 0) and every live agent, for the weight broadcast; a new one after a
-        node is lost or an agent restarted (whose next broadcast then sends the current version to all)."""
+        """A gloo group of this process (rank 0) and every live agent, for the weight broadcast; a new one
+        after a node is lost or an agent restarted (whose next broadcast then sends the current version to
+        all)."""
         import torch.distributed as dist
 
         timeout = self.cfg.call_timeout_s
@@ -158,7 +162,8 @@ class RayNodes:
             return
         address = "127.0.0.1" if self.cluster else self.ray.util.get_node_ip_address()
         init = f"tcp://{address}:{free_port()}"
-        joins = [n.agent.join_weights.remote(init, rank, len(live) + 1, timeout) for rank, n in enumerate(live, 1)]
+        joins = [n.agent.join_weights.remote(init, rank, len(live) + 1, timeout)
+                 for rank, n in enumerate(live, 1)]
         with gloo_on(address):
             dist.init_process_group("gloo", init_method=init, rank=0, world_size=len(live) + 1,
                                     timeout=timedelta(seconds=timeout))
@@ -194,9 +199,10 @@ class RayNodes:
             try:
                 if not self.regroup:
                     self._send_weights()
-            except Exception as e:  # a peer gone mid-broadcast: its next exchange fails, and the group is rebuilt
-                print(f"warning: the weight broadcast failed ({first_line(e)}); retrying after the next exchange",
-                      file=sys.stderr)
+            except Exception as e:
+                # a peer gone mid-broadcast: its next exchange fails, and the group is rebuilt
+                print(f"warning: the weight broadcast failed ({first_line(e)}); "
+                      "retrying after the next exchange", file=sys.stderr)
                 self.regroup = True
             if any(n.lost for n in self.nodes) and time.monotonic() >= next_replace:
                 next_replace = time.monotonic() + self.cfg.health_check_period_s
@@ -208,14 +214,15 @@ class RayNodes:
             elif not self.local_workers:  # nothing can generate: wait for a replacement, then end in one line
                 if idle_since is None:
                     idle_since = time.monotonic()
-                    print(f"warning: every generator node is lost and the trainer node has no rollout worker; waiting "
-                          f"up to {self.cfg.replace_timeout_s:g} s (cluster.ray.replace_timeout_s) for a machine to "
-                          f"replace one: {self.join_command()}", file=sys.stderr)
+                    print(f"warning: every generator node is lost and the trainer node has no rollout "
+                          f"worker; waiting up to {self.cfg.replace_timeout_s:g} s "
+                          f"(cluster.ray.replace_timeout_s) for a machine to replace one: "
+                          f"{self.join_command()}", file=sys.stderr)
                 if time.monotonic() - idle_since >= self.cfg.replace_timeout_s:
-                    self.error = ("every generator node is lost, the trainer node has no rollout worker and no "
-                                  f"machine replaced one in {self.cfg.replace_timeout_s:g} s "
-                                  "(cluster.ray.replace_timeout_s); resume=<this run's folder> continues from its "
-                                  "last checkpoint")
+                    self.error = ("every generator node is lost, the trainer node has no rollout worker and "
+                                  f"no machine replaced one in {self.cfg.replace_timeout_s:g} s "
+                                  "(cluster.ray.replace_timeout_s); resume=<this run's folder> continues "
+                                  "from its last checkpoint")
                     shared.stop.set()
                     return
                 self.done.wait(0.2)
@@ -223,8 +230,8 @@ class RayNodes:
                 self.done.wait(0.2)
 
     def _lose_head(self) -> None:
-        """The head's Ray is gone while this launcher lives: the run stops in one line (Ray's own client ends this
-        process a minute after its GCS went, so nothing here may wait on Ray any more)."""
+        """The head's Ray is gone while this launcher lives: the run stops in one line (Ray's own client ends
+        this process a minute after its GCS went, so nothing here may wait on Ray any more)."""
         self.head_lost = True
         self.error = (f"the trainer node's Ray (its head, {self.gcs}) stopped answering; resume=<this run's "
                       "folder> continues from its last checkpoint")
@@ -247,7 +254,8 @@ class RayNodes:
         counts = node.counts
         if answer.groups:
             counts.forward_s.append(time.perf_counter() - start)
-            counts.newest_version = max(counts.newest_version, *(int(g.versions.max()) for g in answer.groups))
+            counts.newest_version = max(counts.newest_version,
+                                        *(int(g.versions.max()) for g in answer.groups))
         counts.delivered += len(answer.groups)
         node.unused = answer.unused
         shared.counters.set_rows(node.worker_ids, answer.counters)
@@ -256,7 +264,8 @@ class RayNodes:
         return len(answer.groups)
 
     def _send_weights(self) -> None:
-        """After a step: the trainer node's store, one consistent snapshot, broadcast to every generator node."""
+        """After a step: the trainer node's store, one consistent snapshot, broadcast to every generator
+        node."""
         import torch.distributed as dist
 
         store = self.shared.weights
@@ -275,9 +284,10 @@ class RayNodes:
         self.version = version
 
     def _failed(self, node: Node, error: Exception) -> None:
-        """`node`'s call failed. What it was leased and did not deliver goes back to the gate (its groups in flight
-        are lost). If its machine is still in the cluster, a new agent takes over where its workers stopped (up to
-        cluster.max_restarts); if not, the run goes on without the node. One warning line either way."""
+        """`node`'s call failed. What it was leased and did not deliver goes back to the gate (its groups in
+        flight are lost). If its machine is still in the cluster, a new agent takes over where its workers
+        stopped (up to cluster.max_restarts); if not, the run goes on without the node. One warning line
+        either way."""
         undelivered = node.leased - node.counts.delivered
         self.shared.gate.recover()
         if undelivered > 0:
@@ -296,8 +306,8 @@ class RayNodes:
         if self._node_alive(node) and node.counts.restarts < self.run.cfg.cluster.max_restarts:
             node.counts.restarts += 1
             print(f"warning: generator node {node.index}'s agent failed ({first_line(error)}); restarting it "
-                  f"({node.counts.restarts}/{self.run.cfg.cluster.max_restarts}), {max(undelivered, 0)} groups lost",
-                  file=sys.stderr)
+                  f"({node.counts.restarts}/{self.run.cfg.cluster.max_restarts}), {max(undelivered, 0)} "
+                  "groups lost", file=sys.stderr)
             try:
                 self._take_over(node, "new agent")
                 return
@@ -306,21 +316,22 @@ class RayNodes:
         node.lost = True
         if self.cluster is not None:  # a simulated node, on this machine: what its killed processes left
             remove_unmapped_semaphores()
-        print(f"warning: generator node {node.index} lost ({first_line(error)}); {max(undelivered, 0)} groups "
-              f"leased to it and not delivered handed back; going on without it until a machine replaces it "
-              f"({self.join_command()})", file=sys.stderr)
+        print(f"warning: generator node {node.index} lost ({first_line(error)}); {max(undelivered, 0)} "
+              f"groups leased to it and not delivered handed back; going on without it until a machine "
+              f"replaces it ({self.join_command()})", file=sys.stderr)
 
     def _take_over(self, node: Node, what: str) -> None:
-        """A new agent for `node` in its bundle, its workers starting where the last exchange saw them and their
-        counters carried on; returns once it is up (its machine's id noted)."""
+        """A new agent for `node` in its bundle, its workers starting where the last exchange saw them and
+        their counters carried on; returns once it is up (its machine's id noted)."""
         counters = self.shared.counters
-        self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids), counters.rows(node.worker_ids))
+        self._place(node, tuple(counters.get(w, "next_group") for w in node.worker_ids),
+                    counters.rows(node.worker_ids))
         node.node_id = get(self.ray, node.agent.ready.remote(), self.cfg.call_timeout_s,
                            f"generator node {node.index}'s {what}")
 
     def _node_alive(self, node: Node) -> bool:
-        """Whether the machine `node`'s agent ran on is still in the cluster, once Ray's health checks (3 missed)
-        have had time to notice a lost one."""
+        """Whether the machine `node`'s agent ran on is still in the cluster, once Ray's health checks
+        (3 missed) have had time to notice a lost one."""
         deadline = time.monotonic() + 4 * self.cfg.health_check_period_s + 2.0
         while True:
             alive = any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes())
@@ -329,9 +340,9 @@ class RayNodes:
             time.sleep(0.5)
 
     def _replace(self, node: Node) -> None:
-        """If Ray has placed lost `node`'s bundle on a machine that joined since (a placement group's bundles move
-        to a new node that has the resources), start a new agent there that takes over the node's workers where
-        they stopped. One warning line whether it starts or not."""
+        """If Ray has placed lost `node`'s bundle on a machine that joined since (a placement group's bundles
+        move to a new node that has the resources), start a new agent there that takes over the node's workers
+        where they stopped. One warning line whether it starts or not."""
         from ray.util.placement_group import placement_group_table
 
         bundle = 1 + self.nodes.index(node)
@@ -342,8 +353,8 @@ class RayNodes:
         try:
             self._take_over(node, "replacement")
         except Exception as e:
-            print(f"warning: generator node {node.index}'s replacement did not start ({first_line(e)}); waiting for "
-                  "another", file=sys.stderr)
+            print(f"warning: generator node {node.index}'s replacement did not start ({first_line(e)}); "
+                  "waiting for another", file=sys.stderr)
             try:
                 self.ray.kill(node.agent)
             except Exception:
@@ -358,17 +369,20 @@ class RayNodes:
 
     def join_command(self) -> str:
         """How a machine joins this cluster as a generator node."""
-        return join_command(self.cfg, self.cluster.address if self.cluster else self.gcs, self.cluster is not None)
+        return join_command(self.cfg, self.cluster.address if self.cluster else self.gcs,
+                            self.cluster is not None)
 
     def _publish_counts(self) -> None:
-        """The nodes' counts where trainer rank 0 reads them for its metrics rows (runtime.shared.NodeCounters)."""
+        """The nodes' counts where trainer rank 0 reads them for its metrics rows
+        (runtime.shared.NodeCounters)."""
         table = self.shared.nodes
         if table is None:
             return
         for row, n in enumerate(self.nodes):
             c = n.counts
-            table.set(row, groups=c.delivered, lost_groups=c.lost_groups, restarts=c.restarts, lost=int(n.lost),
-                      replacements=c.replacements, forward_calls=len(c.forward_s), forward_s=sum(c.forward_s))
+            table.set(row, groups=c.delivered, lost_groups=c.lost_groups, restarts=c.restarts,
+                      lost=int(n.lost), replacements=c.replacements, forward_calls=len(c.forward_s),
+                      forward_s=sum(c.forward_s))
         table.set(0, broadcasts=len(self.broadcast_s), broadcast_s=sum(self.broadcast_s))
 
     def metrics(self) -> dict:
@@ -383,7 +397,8 @@ class RayNodes:
             out[f"ray/node{n.index}_restarts"] = counts.restarts
             out[f"ray/node{n.index}_replacements"] = counts.replacements
             out[f"ray/node{n.index}_newest_version"] = counts.newest_version
-            out[f"ray/node{n.index}_forward_s"] = statistics.mean(counts.forward_s) if counts.forward_s else 0.0
+            out[f"ray/node{n.index}_forward_s"] = (statistics.mean(counts.forward_s) if counts.forward_s
+                                                   else 0.0)
         return out
 
     def close(self) -> None:
@@ -392,7 +407,8 @@ class RayNodes:
         if self.thread is not None:
             self.thread.join(timeout=self.cfg.call_timeout_s)
         ray = getattr(self, "ray", None)
-        if self.head_lost and self.cluster is not None:  # no Ray call can succeed: end the simulated nodes here
+        # no Ray call can succeed: end the simulated nodes here
+        if self.head_lost and self.cluster is not None:
             kill_ray_below(os.getpid())
             self.cluster = None
             remove_unmapped_semaphores()
@@ -401,7 +417,8 @@ class RayNodes:
             try:
                 ray.get(stops, timeout=60)
             except Exception as e:  # an agent that does not stop is killed below
-                print(f"warning: a generator node did not stop cleanly ({str(e).splitlines()[0]})", file=sys.stderr)
+                print(f"warning: a generator node did not stop cleanly ({str(e).splitlines()[0]})",
+                      file=sys.stderr)
             exits = [n.agent.exit.remote() for n in self.nodes if n.agent is not None and not n.lost]
             try:
                 ray.get(exits, timeout=30)

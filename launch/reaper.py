@@ -1,8 +1,8 @@
 """The simulated cluster's reaper (cluster=ray with cluster.ray.address=""), a process in a session of its own
 that outlives the launcher. Ray runs the simulated nodes' daemons as the launcher's children, and some of them
-(each node's dashboard and runtime-env agents) outlive their raylet. When the launcher dies without its shutdown
-(killed: the trainer node lost), the reaper kills every process it saw in the launcher's tree, removes the
-semaphores they leave in /dev/shm, and exits. After a normal shutdown the launcher stops it.
+(each node's dashboard and runtime-env agents) outlive their raylet. When the launcher dies without its
+shutdown (killed: the trainer node lost), the reaper kills every process it saw in the launcher's tree,
+removes the semaphores they leave in /dev/shm, and exits. After a normal shutdown the launcher stops it.
 
     python -m launch.reaper LAUNCHER_PID
 """
@@ -36,8 +36,8 @@ def tree(root: int) -> dict[int, int]:
 
 
 def kill_and_wait(processes: dict[int, int]) -> None:
-    """SIGKILL each of `processes` (pid: start time) still the same process, and wait (10 s at most) until they
-    are gone: their mappings of shared memory go only then."""
+    """SIGKILL each of `processes` (pid: start time) still the same process, and wait (10 s at most) until
+    they are gone: their mappings of shared memory go only then."""
     for pid, start in processes.items():
         if started(pid) == start:
             try:

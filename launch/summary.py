@@ -22,15 +22,17 @@ def time_to_reward(rows: list[dict], threshold: float, window: int = WINDOW) -> 
     return None
 
 
-def policy_time_to_reward(rows: list[dict], threshold: float, window: int = WINDOW) -> tuple[float, float] | None:
+def policy_time_to_reward(rows: list[dict], threshold: float,
+                          window: int = WINDOW) -> tuple[float, float] | None:
     """(time_s, version): when the trainer published the policy whose own samples first averaged `threshold`.
 
-    `time_to_reward` reads the reward of the groups a step trains on, which at max_staleness > 0 a policy up to
-    that many versions older sampled: it credits the trainer late by the lag. Here the same window of rows is
-    read as the versions that sampled it (the row's step - 1 - its fresh groups' mean lag, `staleness_mean`, of
-    their oldest tokens), and the window's newest version is dated by the row that published it (version v at
-    step v's `time_s`, linear between steps; version 0 at 0 s). Synchronous runs come out one step earlier than by
-    `time_to_reward`; an asynchronous run's lag no longer counts against it. None if never reached."""
+    `time_to_reward` reads the reward of the groups a step trains on, which at max_staleness > 0 a policy up
+    to that many versions older sampled: it credits the trainer late by the lag. Here the same window of rows
+    is read as the versions that sampled it (the row's step - 1 - its fresh groups' mean lag,
+    `staleness_mean`, of their oldest tokens), and the window's newest version is dated by the row that
+    published it (version v at step v's `time_s`, linear between steps; version 0 at 0 s). Synchronous runs
+    come out one step earlier than by `time_to_reward`; an asynchronous run's lag no longer counts against it.
+    None if never reached."""
     published = {0: 0.0, **{r["step"]: r["time_s"] for r in rows}}
     for i in range(window - 1, len(rows)):
         recent = rows[i - window + 1:i + 1]
@@ -56,9 +58,9 @@ def completed(run_dir: str, steps: int) -> bool:
 
 def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, peak_parts: dict | None = None,
                   peak_each: dict | None = None, peak_rss_mb: float = 0.0):
-    """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's own
-    counters, read after every process stopped); `peak_parts`: the peak's split by process; `peak_each`: each
-    process's own peak; `peak_rss_mb`: the largest resident set any process reached, as sampled."""
+    """summary.json: how the run ended, its reward, time to reward and memory, and `counts` (the launcher's
+    own counters, read after every process stopped); `peak_parts`: the peak's split by process; `peak_each`:
+    each process's own peak; `peak_rss_mb`: the largest resident set any process reached, as sampled."""
     rows = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -79,12 +81,14 @@ def write_summary(run_dir, start, error, peak_mb, counts: dict | None = None, pe
         # The run's memory: proportional resident set (shared memory counted once) summed over every process,
         # sampled every few seconds (launch/supervisor.py); and the largest resident set of any one process.
         "peak_memory_mb": round(peak_mb),
-        # ... and its split at that moment: the launcher, each trainer rank and rollout worker (with its children)
+        # ... and its split at that moment: the launcher, each trainer rank and rollout worker
+        # (with its children)
         "peak_memory_by_process_mb": {name: round(mb) for name, mb in sorted((peak_parts or {}).items())},
         # ... and each process's own peak, whenever it came (a rollout worker's need not fall at the total's)
         "peak_memory_each_process_mb": {name: round(mb) for name, mb in sorted((peak_each or {}).items())},
         "peak_rss_mb_max_process": max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_rss_mb),
+                                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                       peak_rss_mb),
         **(counts or {}),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -1,11 +1,11 @@
-"""Start worker processes (`spawn`, or on the CPU from a forkserver: launch/forkserver.py), watch them, and shut
-everything down on any exit path.
+"""Start worker processes (`spawn`, or on the CPU from a forkserver: launch/forkserver.py), watch them, and
+shut everything down on any exit path.
 
 Watching covers processes that exit (a failure, a kill) and, with heartbeats (runtime/heartbeat.py), processes
 that are alive but stuck: one whose last beat is older than its phase allows is named in one line
 (`rollout-0 stuck in generate for 301 s`), its Python stack is written to `stacks/<name>-<unix time>.txt`
-(faulthandler, on SIGUSR1 to its main thread, then a SIGCONT in case it was stopped; the signal's default action
-then ends it), and it is handled like a process that died.
+(faulthandler, on SIGUSR1 to its main thread, then a SIGCONT in case it was stopped; the signal's default
+action then ends it), and it is handled like a process that died.
 
 Once the essential processes have done their work (`finished`: trainer rank 0 has taken its last step), the
 others (rollout workers) are retired: they are no longer watched for hangs, and their exit, however it comes,
@@ -34,12 +34,13 @@ from runtime.shared import Finish, StopFlag
 
 def _child_main(name, target, kwargs, errors, threads, stack_pipe, environ):
     _die_with_parent(name)
-    if os.environ != environ:  # forked from the forkserver: the launcher's environment now, as `spawn` gives it
+    # forked from the forkserver: the launcher's environment now, as `spawn` gives it
+    if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and tells us to stop
-    # The launcher reads the stack of a process it found stuck; then the signal's default action ends the process,
-    # before it runs on (dump_stack).
+    # The launcher reads the stack of a process it found stuck; then the signal's default action ends the
+    # process, before it runs on (dump_stack).
     faulthandler.register(DUMP_SIGNAL, file=stack_pipe.fileno(), all_threads=True, chain=True)
     torch.set_num_threads(threads)
     try:
@@ -67,10 +68,10 @@ def fast_exit(code: int) -> None:
 
 
 def remove_cuda_ipc_files(pid: int) -> list[str]:
-    """Remove what a process that shared CUDA memory with another leaves in /dev/shm when it has ended: the CUDA
-    driver's `cuda.shm.<n>.<pid in hex>.<n>` (left even by a clean exit; seen with CUDA 13 on an H200) and
-    torch's reference counter `torch_<pid>_<n>_<n>` (left by an exit without the interpreter's teardown, as
-    `fast_exit` and a kill make). Only for a process that has ended; the names removed."""
+    """Remove what a process that shared CUDA memory with another leaves in /dev/shm when it has ended: the
+    CUDA driver's `cuda.shm.<n>.<pid in hex>.<n>` (left even by a clean exit; seen with CUDA 13 on an H200)
+    and torch's reference counter `torch_<pid>_<n>_<n>` (left by an exit without the interpreter's teardown,
+    as `fast_exit` and a kill make). Only for a process that has ended; the names removed."""
     pattern = re.compile(rf"cuda\.shm\.\d+\.{pid:x}\.\d+|torch_{pid}_\d+_\d+")
     try:
         names = [n for n in os.listdir("/dev/shm") if pattern.fullmatch(n)]
@@ -103,9 +104,9 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 
 def _to_main_thread(pid: int, sig: int) -> None:
-    """Send `sig` to the main thread of process `pid` (glibc's tgkill). kill() lets any of its threads take the
-    signal: the handler would run in a helper thread while the main one, continued, ran on. Off glibc, or where
-    tgkill fails, kill() (which raises ProcessLookupError for a process that has gone)."""
+    """Send `sig` to the main thread of process `pid` (glibc's tgkill). kill() lets any of its threads take
+    the signal: the handler would run in a helper thread while the main one, continued, ran on. Off glibc, or
+    where tgkill fails, kill() (which raises ProcessLookupError for a process that has gone)."""
     try:
         sent = ctypes.CDLL("libc.so.6").tgkill(pid, pid, sig) == 0
     except (OSError, AttributeError):
@@ -117,8 +118,8 @@ def _to_main_thread(pid: int, sig: int) -> None:
 class Supervisor:
     def __init__(self, stacks_dir: str = "", hearts=None, allowance=None, ctx=None):
         """stacks_dir: where stuck processes' stacks go; hearts: the run's Heartbeats (None: exits only),
-        allowance: how long each phase may go without a beat (runtime.heartbeat.Allowance), and ctx: how processes
-        start (a multiprocessing context; `spawn` unless given)."""
+        allowance: how long each phase may go without a beat (runtime.heartbeat.Allowance), and ctx: how
+        processes start (a multiprocessing context; `spawn` unless given)."""
         self.ctx = ctx or mp.get_context("spawn")
         self.stop = StopFlag()
         self.finished = Finish()  # set by trainer rank 0 after its last step: non-essential processes retire
@@ -134,15 +135,17 @@ class Supervisor:
         # tables (about 0.2 s for a SmolLM2 run's tree, 2 cores): sampled at most every second and so that it
         # takes no more than 1/20 of the launcher's time.
         self.peak_mb = 0.0
-        self.peak_parts: dict[str, float] = {}  # that total's split by process (launch/memory.py) when it peaked
+        # that total's split by process (launch/memory.py) when it peaked
+        self.peak_parts: dict[str, float] = {}
         self.peak_each: dict[str, float] = {}  # each process's own largest share, whenever it came
-        # The largest resident set any one process reached: the kernel's high-water mark, read at each sample (a
-        # forkserver's children are not the launcher's to wait for, so RUSAGE_CHILDREN misses them).
+        # The largest resident set any one process reached: the kernel's high-water mark, read at each sample
+        # (a forkserver's children are not the launcher's to wait for, so RUSAGE_CHILDREN misses them).
         self.peak_rss_mb = 0.0
         self._next_sample = 0.0
 
     def start(self, name: str, target, kwargs: dict, threads: int, essential: bool = False) -> None:
-        """Start `target(**kwargs)` in a new process; a name already used must belong to a dead process (a restart)."""
+        """Start `target(**kwargs)` in a new process; a name already used must belong to a dead process
+        (a restart)."""
         if name in self.procs:
             assert self.procs[name].exitcode is not None, f"{name} is still running"
             self.procs[name].join()
@@ -187,12 +190,13 @@ class Supervisor:
                 return None
 
     def retired(self, name: str) -> bool:
-        """`name` is no longer needed: a non-essential process once the essential ones have finished their work."""
+        """`name` is no longer needed: a non-essential process once the essential ones have finished their
+        work."""
         return name not in self.essential and self.finished.is_set()
 
     def ended(self) -> bool:
-        """Has any process ended (stuck ones are ended here)? For waits outside `watch`, such as the GPU plan's
-        wait for its engines."""
+        """Has any process ended (stuck ones are ended here)? For waits outside `watch`, such as the GPU
+        plan's wait for its engines."""
         self._kill_stuck()
         return any(p.exitcode is not None for p in self.procs.values())
 
@@ -207,15 +211,18 @@ class Supervisor:
             where = self.dump_stack(name)
             proc.kill()
             proc.join()
-            self.why[name] = f"{name} stuck in {phase} for {age:.0f} s" + (f" (its stack: {where})" if where else "")
+            self.why[name] = (f"{name} stuck in {phase} for {age:.0f} s"
+                              + (f" (its stack: {where})" if where else ""))
 
     def dump_stack(self, name: str) -> str | None:
-        """Write `name`'s Python stack (every thread) to stacks_dir; its path, or None if it gave none. The process
-        ends as it writes it: it cannot run on in between, as a stopped one would once continued, and deliver its
-        first group a moment after it was found stuck in its set-up (seen with a tiny model on a fast CPU)."""
+        """Write `name`'s Python stack (every thread) to stacks_dir; its path, or None if it gave none. The
+        process ends as it writes it: it cannot run on in between, as a stopped one would once continued, and
+        deliver its first group a moment after it was found stuck in its set-up (seen with a tiny model on a
+        fast CPU)."""
         proc, pipe = self.procs[name], self.stack_pipes[name]
         try:
-            _to_main_thread(proc.pid, DUMP_SIGNAL)  # pending while it is stopped: handled first when it continues
+            # pending while it is stopped: handled first when it continues
+            _to_main_thread(proc.pid, DUMP_SIGNAL)
             os.kill(proc.pid, signal.SIGCONT)  # a stopped process runs no handler
         except ProcessLookupError:
             return None
@@ -264,15 +271,16 @@ class Supervisor:
         return f"{name} exited with code {exitcode}"
 
     def shutdown(self, grace: float = 25.0) -> str | None:
-        """Ask politely, then terminate, then kill: no process survives this call. Returns one line naming those
-        that had not stopped within `grace` seconds of being asked, if any."""
+        """Ask politely, then terminate, then kill: no process survives this call. Returns one line naming
+        those that had not stopped within `grace` seconds of being asked, if any."""
         self.stop.set()
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             alive = [p for p in self.procs.values() if p.exitcode is None]
             if not alive:
                 break
-            for proc in alive:  # a stopped process cannot see the stop flag (again each round: it may stop late)
+            # a stopped process cannot see the stop flag (again each round: it may stop late)
+            for proc in alive:
                 try:
                     os.kill(proc.pid, signal.SIGCONT)
                 except ProcessLookupError:

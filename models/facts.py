@@ -1,5 +1,5 @@
-"""What the launcher needs to know about a model before any process starts, read from its folder without loading
-its weights: its checked config, its end-of-sequence tokens, its parameter names and shapes.
+"""What the launcher needs to know about a model before any process starts, read from its folder without
+loading its weights: its checked config, its end-of-sequence tokens, its parameter names and shapes.
 
     config = checked_config(path)   # a causal LM the engine and the trainer run, or a one-line ValueError
     stop_ids(path)                  # every token id that ends a completion
@@ -19,11 +19,12 @@ def checked_config(model_path: str):
 
 
 def stop_ids(model_path: str) -> tuple:
-    """Every end-of-sequence token the model may emit: its config's, its generation_config.json's (Qwen3 ends a
-    turn with <|im_end|> there) and its tokenizer's."""
+    """Every end-of-sequence token the model may emit: its config's, its generation_config.json's (Qwen3 ends
+    a turn with <|im_end|> there) and its tokenizer's."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    eos = [AutoConfig.from_pretrained(model_path).eos_token_id, AutoTokenizer.from_pretrained(model_path).eos_token_id]
+    eos = [AutoConfig.from_pretrained(model_path).eos_token_id,
+           AutoTokenizer.from_pretrained(model_path).eos_token_id]
     try:
         eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except OSError:  # no generation_config.json

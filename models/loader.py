@@ -16,11 +16,12 @@ def cache_dir() -> str:
 
 
 def resolve(path: str) -> str:
-    """Turn `model.path` into something `from_pretrained` loads: an embedded name becomes its cached folder."""
+    """Turn `model.path` into something `from_pretrained` loads: an embedded name becomes its cached
+    folder."""
     if path not in EMBEDDED:
         if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            raise ValueError(f"model.path '{path}' is not a folder; give a Hugging Face model folder, a hub id, "
-                             f"or one of the embedded models: {', '.join(EMBEDDED)}")
+            raise ValueError(f"model.path '{path}' is not a folder; give a Hugging Face model folder, a hub "
+                             f"id, or one of the embedded models: {', '.join(EMBEDDED)}")
         return os.path.expanduser(path)
     target = os.path.join(cache_dir(), "models", path)
     if not os.path.exists(os.path.join(target, "model.safetensors")):

@@ -13,7 +13,8 @@ from registry import Registry, unknown
 
 # A reward is a module of this package exposing REWARD (a function, or a class built with the task's options);
 # the rest of the package is its machinery.
-REWARDS = Registry("reward", __name__, os.path.dirname(__file__), helpers=("pool", "sandbox", "sandbox_runner"))
+REWARDS = Registry("reward", __name__, os.path.dirname(__file__),
+                   helpers=("pool", "sandbox", "sandbox_runner"))
 
 
 def get_reward(name: str, **options):
@@ -23,9 +24,11 @@ def get_reward(name: str, **options):
     else:
         module_name, _, attr = name.partition(":")
         if not attr:
-            raise unknown("reward", name, REWARDS.names(), ", or give a callable's path as 'package.module:function'")
+            raise unknown("reward", name, REWARDS.names(),
+                          ", or give a callable's path as 'package.module:function'")
         try:
             target = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward '{name}' could not be loaded ({e}); check the 'module:function' path") from e
+            raise ValueError(f"reward '{name}' could not be loaded ({e}); check the "
+                             "'module:function' path") from e
     return target(**options) if isinstance(target, type) else target

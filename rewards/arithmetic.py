@@ -14,4 +14,5 @@ def last_number_matches(completion: str, reference: str) -> float:
         return 0.0
 
 
-REWARD = last_number_matches  # what rewards.get_reward("arithmetic") returns (built with the task's options if a class)
+# what rewards.get_reward("arithmetic") returns (built with the task's options if a class)
+REWARD = last_number_matches

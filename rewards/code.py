@@ -22,16 +22,17 @@ KILL_REASONS = ("time", "memory", "output")
 
 
 class CodeReward:
-    def __init__(self, mode: str, parallel_cases: int, program_timeout_s: float, timeout_s: float, memory_mb: int,
-                 processes: int, file_mb: int, output_kb: int, isolate: bool = True):
-        """The values are task=code's schema (tasks/code.py `Config.reward_options()`); isolate=False runs without
-        the container, for bench/sandbox.py's baseline only."""
+    def __init__(self, mode: str, parallel_cases: int, program_timeout_s: float, timeout_s: float,
+                 memory_mb: int, processes: int, file_mb: int, output_kb: int, isolate: bool = True):
+        """The values are task=code's schema (tasks/code.py `Config.reward_options()`); isolate=False runs
+        without the container, for bench/sandbox.py's baseline only."""
         if mode not in ("all", "fraction"):
             raise ValueError(f"code reward mode must be 'all' or 'fraction' (got {mode!r})")
         self.mode, self.parallel, self.program_timeout_s = mode, parallel_cases, program_timeout_s
         self.limits = Limits(timeout_s, memory_mb, processes, file_mb, output_kb)
         self.isolate = isolate
-        self._box: Sandbox | None = None  # built at the first call: building the reward in the owner stays cheap
+        # built at the first call: building the reward in the owner stays cheap
+        self._box: Sandbox | None = None
         self._kills: collections.Counter = collections.Counter()
 
     def __call__(self, completion: str, reference: str) -> float:
@@ -47,22 +48,26 @@ class CodeReward:
             passed = runs[0].passed
         else:
             runs = self._box.run([Job(program, setup, stdin=x) for x in inputs], self.parallel, deadline)
-            passed = [run.passed[0] and _normalise(run.stdout) == _normalise(want) for run, want in zip(runs, outputs)]
+            passed = [run.passed[0] and _normalise(run.stdout) == _normalise(want)
+                      for run, want in zip(runs, outputs)]
         self._kills.update(run.killed for run in runs if run.killed)
         if self.mode == "all":
             return float(all(passed))
         return sum(passed) / len(passed)
 
     def take_counts(self) -> dict[str, int]:
-        """Runs killed since the last call, by reason: {"sandbox_kills_time": 1, ...} (the reward pool asks)."""
-        counts = {f"sandbox_kills_{reason}": self._kills[reason] for reason in KILL_REASONS if self._kills[reason]}
+        """Runs killed since the last call, by reason: {"sandbox_kills_time": 1, ...} (the reward pool
+        asks)."""
+        counts = {f"sandbox_kills_{reason}": self._kills[reason]
+                  for reason in KILL_REASONS if self._kills[reason]}
         self._kills.clear()
         return counts
 
 
 def extract_program(completion: str) -> str | None:
     """The last fenced code block (an unclosed last one counts: the reply may have hit its token budget)."""
-    blocks = [code for lang, code in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
+    blocks = [code for lang, code in _FENCE.findall(completion)
+              if lang.lower() in ("", "python", "py", "python3")]
     return blocks[-1] if blocks and blocks[-1].strip() else None
 
 
@@ -82,7 +87,8 @@ def parse_reference(reference: str) -> tuple[str, list[str] | None, list[str] | 
         tests = _strings(ref["tests"], "tests")
         for test in tests:
             try:
-                compile(test, "<test>", "exec")  # compiling trusted text runs nothing; a bad case is the data's fault
+                # compiling trusted text runs nothing; a bad case is the data's fault
+                compile(test, "<test>", "exec")
             except SyntaxError as e:
                 raise ValueError(f"a code reference's test does not parse ({e.msg}): {test[:60]!r}") from None
         return setup, tests, None, None

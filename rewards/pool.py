@@ -9,7 +9,8 @@ A verifier that raises scores 0 (`errors` += 1); one that runs past `timeout_s` 
 scores 0 (`timeouts` += 1) and a fresh worker takes its place. A verifier with a `take_counts()` method (the
 code reward's sandbox kills) adds what it returns to `counts` after every reply. Workers score one reply at a
 time, in their main thread (math-verify's alarms need it); a dispatcher thread in the owner feeds them, so
-submitted work goes on while the owner generates. `workers=0` scores in the caller's thread: no processes, no timeout.
+submitted work goes on while the owner generates. `workers=0` scores in the caller's thread: no processes, no
+timeout.
 """
 import collections
 import ctypes
@@ -77,7 +78,8 @@ class RewardPool:
         self._ready = threading.Event()
         # Workers are started by this thread: PR_SET_PDEATHSIG fires when the thread that started a process
         # exits, so they die with the dispatcher, and with the owner, however either ends.
-        self._thread = threading.Thread(target=self._dispatch, args=(workers,), name="reward-pool", daemon=True)
+        self._thread = threading.Thread(target=self._dispatch, args=(workers,), name="reward-pool",
+                                        daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._fatal is not None:
@@ -170,7 +172,8 @@ class RewardPool:
                     worker.job, worker.deadline = (handle, index), time.monotonic() + self.timeout_s
                     try:
                         worker.conn.send((completion, reference))
-                    except OSError:  # it died while idle: wait() reports the closed pipe, _receive replaces it
+                    except OSError:
+                        # it died while idle: wait() reports the closed pipe, _receive replaces it
                         pass
 
     def _next_deadline(self) -> float | None:
@@ -220,7 +223,8 @@ class RewardPool:
 
 
 class _Worker:
-    """A process, our end of its pipe, the (handle, index) it scores, and when its start or its job is late."""
+    """A process, our end of its pipe, the (handle, index) it scores, and when its start or its job is
+    late."""
 
     def __init__(self, ctx, reward: str, options: dict):
         self.conn, child_conn = ctx.Pipe()

@@ -15,7 +15,8 @@ from rewards.reward_model import RewardModel
 class RedTeamReward:
     def __init__(self, victim_path: str, classifier_path: str, label: int, victim_max_new_tokens: int,
                  diversity: float, memory: int = 256):
-        """The values are task=redteam's schema (tasks/redteam.py); `memory`: recent attacks compared against."""
+        """The values are task=redteam's schema (tasks/redteam.py); `memory`: recent attacks compared
+        against."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.classifier = RewardModel(classifier_path, label=label)  # also pins this process to one thread
@@ -26,8 +27,8 @@ class RedTeamReward:
 
     @torch.inference_mode()
     def __call__(self, attack: str, reference: str = "") -> float:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": attack[:4000]}], tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": attack[:4000]}],
+                                                  tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         out = self.victim.generate(ids, max_new_tokens=self.max_new_tokens, do_sample=False,
                                    pad_token_id=self.tokenizer.eos_token_id)
@@ -49,4 +50,5 @@ def _jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-REWARD = RedTeamReward  # what rewards.get_reward("redteam") returns (built with the task's options if a class)
+# what rewards.get_reward("redteam") returns (built with the task's options if a class)
+REWARD = RedTeamReward

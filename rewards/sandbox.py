@@ -14,8 +14,8 @@ clock. `--unshare-pid --die-with-parent --new-session`: when a run ends or is ki
 goes with it, a `setsid()` child included.
 
 Inside, rewards/sandbox_runner.py sets the limits, runs the program, and reports each case with a marker that
-is random per run (see there); asserts arrive rewritten by `guard`, so that only plain values are compared. For
-stdin/stdout cases the expected output never enters the sandbox: the caller compares `stdout`.
+is random per run (see there); asserts arrive rewritten by `guard`, so that only plain values are compared.
+For stdin/stdout cases the expected output never enters the sandbox: the caller compares `stdout`.
 """
 import ast
 import functools
@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
 SANDBOX_UID = 65534  # "nobody": the uid a root-run ringrl drops to
-INSTALL = ("install bubblewrap: `sudo apt-get install bubblewrap` (Debian/Ubuntu; `bash setup.sh` as root does it), "
-           "`sudo dnf install bubblewrap` (Fedora/RHEL)")
+INSTALL = ("install bubblewrap: `sudo apt-get install bubblewrap` "
+           "(Debian/Ubuntu; `bash setup.sh` as root does it), `sudo dnf install bubblewrap` (Fedora/RHEL)")
 
 
 @dataclass(frozen=True)
 class Limits:
-    """One run's limits; task=code's values come from its schema (tasks/code.py: timeout_s, memory_mb, ...)."""
+    """One run's limits; task=code's values come from its schema (tasks/code.py: timeout_s, memory_mb,
+    ...)."""
     timeout_s: float  # wall clock of one run; its CPU seconds are capped at the next whole second
     memory_mb: int  # address space (a larger allocation raises MemoryError: killed for "memory")
     processes: int  # processes and threads the run may have at once
@@ -75,13 +76,15 @@ class Sandbox:
         with open(RUNNER) as f:
             runner = f.read()
         python = interpreter() if isolate else sys.executable
-        self.argv = (container(python, limits.file_mb) if isolate else []) + [python, "-I", "-S", "-c", runner]
+        self.argv = ((container(python, limits.file_mb) if isolate else [])
+                     + [python, "-I", "-S", "-c", runner])
         root = isolate and os.geteuid() == 0
         self.as_user = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[]) if root else {}
 
     def run(self, jobs: list[Job], parallel: int = 1, deadline: float | None = None) -> list[Run]:
         """Run every job, up to `parallel` at a time; a job not started by `deadline` (time.monotonic) is
-        counted as killed for time. Runs are killed at their own timeout or at the deadline, whichever is first."""
+        counted as killed for time. Runs are killed at their own timeout or at the deadline, whichever is
+        first."""
         runs: list[Run | None] = [None] * len(jobs)
         todo = list(enumerate(jobs))[::-1]
         running: dict[int, _Process] = {}
@@ -116,7 +119,8 @@ class Sandbox:
 
 
 class _Process:
-    """One run: the bwrap process, its pipes and exit descriptor in the caller's selector, and what it wrote."""
+    """One run: the bwrap process, its pipes and exit descriptor in the caller's selector, and what it
+    wrote."""
 
     def __init__(self, box: Sandbox, job: Job, deadline: float, selector):
         self.job, self.deadline, self.selector = job, deadline, selector
@@ -200,7 +204,8 @@ class _Process:
 
 
 class _Guard(ast.NodeTransformer):
-    """Every value an assert compares, or tests for truth, goes through the runner's `__ringrl_plain__` first."""
+    """Every value an assert compares, or tests for truth, goes through the runner's `__ringrl_plain__`
+    first."""
 
     def visit_Assert(self, node):
         self.generic_visit(node)
@@ -228,7 +233,8 @@ class _Guard(ast.NodeTransformer):
 @functools.lru_cache(maxsize=4096)
 def guard(test: str) -> str:
     """A test's source with its asserts' values checked (rewards/sandbox_runner.py `plain_checker`). Tests are
-    trusted text (the dataset's): parsing them here runs nothing, and keeps `ast` out of every run's start-up."""
+    trusted text (the dataset's): parsing them here runs nothing, and keeps `ast` out of every run's
+    start-up."""
     return ast.unparse(ast.fix_missing_locations(_Guard().visit(ast.parse(test))))
 
 
@@ -237,7 +243,8 @@ def _cases(job: Job) -> int:
 
 
 def _memfd(data: bytes) -> int:
-    """A descriptor of an anonymous file holding `data`, at its start: nothing on disk to find or leave behind."""
+    """A descriptor of an anonymous file holding `data`, at its start: nothing on disk to find or leave
+    behind."""
     fd = os.memfd_create("ringrl-sandbox", 0)
     view = memoryview(data)
     while view:
@@ -276,7 +283,8 @@ def container(python: str, tmp_mb: int) -> list[str]:
     """bwrap's command line up to the program: namespaces, the file system view, the session."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise ValueError(f"task=code runs generated programs under bubblewrap, which is not installed; {INSTALL}")
+        raise ValueError("task=code runs generated programs under bubblewrap, which is not "
+                         f"installed; {INSTALL}")
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
@@ -284,13 +292,14 @@ def container(python: str, tmp_mb: int) -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    home = os.path.dirname(os.path.dirname(python))  # <prefix>/bin/python3.x: bind <prefix> (the stdlib is there)
+    # <prefix>/bin/python3.x: bind <prefix> (the stdlib is there)
+    home = os.path.dirname(os.path.dirname(python))
     if not home.startswith("/usr/"):
         argv += ["--ro-bind", home, home]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_mb << 20),
              "--tmpfs", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
-             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG",
-             "C.UTF-8"]
+             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv",
+             "LANG", "C.UTF-8"]
     if _bwrap_version(bwrap) >= (0, 8):
         argv.append("--disable-userns")  # no nested user namespace: less of the kernel within reach
     return argv
@@ -311,7 +320,8 @@ def check() -> None:
     box = Sandbox(PROBE_LIMITS)
     run = box.run([Job("x = 6 * 7", tests=("assert x == 42",))])[0]
     if not run.passed[0]:
-        reason = (run.stderr.strip().splitlines() or [f"killed: {run.killed}" if run.killed else "no report"])[0]
+        reason = (run.stderr.strip().splitlines()
+                  or [f"killed: {run.killed}" if run.killed else "no report"])[0]
         raise ValueError(f"bubblewrap cannot start a sandbox here ({reason}); it needs unprivileged user "
                          "namespaces (sysctl kernel.unprivileged_userns_clone=1, and on Ubuntu "
                          "kernel.apparmor_restrict_unprivileged_userns=0)")

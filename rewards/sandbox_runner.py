@@ -104,8 +104,9 @@ def run_function(job: dict, report) -> int:
 
 def plain_checker(exact_numbers: bool):
     """`plain(value)`: the value if it, and everything it contains, is of a trusted type whose comparison
-    methods are those it had at start; else AssertionError. Built before the program runs. Fraction and Decimal
-    are trusted only when the asserts name them (`exact_numbers`): importing them costs more than a whole run."""
+    methods are those it had at start; else AssertionError. Built before the program runs. Fraction and
+    Decimal are trusted only when the asserts name them (`exact_numbers`): importing them costs more than a
+    whole run."""
     import collections
 
     trusted = (bool, int, float, complex, str, bytes, type(None), list, tuple, dict, set, frozenset, range,

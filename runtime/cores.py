@@ -36,7 +36,8 @@ class Cores:
         self.synchronous, self.fixed = max_staleness == 0, fixed
         self.share = max(1, cores // (workers + ranks))
         self._phase = torch.tensor([WAITING], dtype=torch.uint8).share_memory_()
-        self._decoding = torch.zeros(workers, dtype=torch.uint8).share_memory_()  # per worker: 1 while it decodes
+        # per worker: 1 while it decodes
+        self._decoding = torch.zeros(workers, dtype=torch.uint8).share_memory_()
 
     @property
     def moves_in_step(self) -> bool:
@@ -85,8 +86,8 @@ class Cores:
         return self.trainer_threads(alone)
 
     def worker_decoding(self, worker: int, decoding: bool) -> None:
-        """Worker `worker` is about to decode (True), or has nothing to decode until an environment, the scorer
-        or the gate lets it (False)."""
+        """Worker `worker` is about to decode (True), or has nothing to decode until an environment, the
+        scorer or the gate lets it (False)."""
         self._decoding[worker] = int(decoding)
 
     def worker_threads(self) -> int:
@@ -134,8 +135,8 @@ class Threads:
 
 def follow_workers(layers, cores: Cores, threads: Threads) -> list:
     """Hooks on each decoder layer (forward, and backward through its output) that set the trainer's thread
-    count from `cores.trainer_now()`. Returns the handles; an asynchronous CPU run installs them, a synchronous
-    or fixed one has nothing to follow."""
+    count from `cores.trainer_now()`. Returns the handles; an asynchronous CPU run installs them, a
+    synchronous or fixed one has nothing to follow."""
 
     def pace(*_):
         threads.set(cores.trainer_now())

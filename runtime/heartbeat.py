@@ -7,16 +7,17 @@ what it is doing, so that the launcher can tell a slow process from a stuck one 
     hearts.stuck(Allowance(300, 1800, 1800))           # the launcher, every second: [(name, phase, age)]
 
 A process that waits (at the gate, for data, for rank 0) beats inside its wait loop, so waiting is not being
-stuck. Start-up (imports, a model to load) is allowed `start_s` before the first beat, SLOW_PHASES (evaluation,
-a checkpoint, the first training step, which may compile) `slow_s` between beats, and every other phase `hang_s`.
+stuck. Start-up (imports, a model to load) is allowed `start_s` before the first beat, SLOW_PHASES
+(evaluation, a checkpoint, the first training step, which may compile) `slow_s` between beats, and every other
+phase `hang_s`.
 """
 import time
 from typing import NamedTuple
 
 import torch
 
-PHASES = ("start", "generate", "load_weights", "wait_gate", "env_wait", "score", "ring_put", "wait_data", "first_step",
-          "train_step", "publish", "evaluate", "checkpoint", "wait_rank0", "collective", "done")
+PHASES = ("start", "generate", "load_weights", "wait_gate", "env_wait", "score", "ring_put", "wait_data",
+          "first_step", "train_step", "publish", "evaluate", "checkpoint", "wait_rank0", "collective", "done")
 SLOW_PHASES = frozenset(("evaluate", "checkpoint", "first_step"))
 
 
@@ -28,7 +29,8 @@ class Allowance(NamedTuple):
 
     def of(self, phase: str) -> float:
         return self.start_s if phase == "start" else self.slow_s if phase in SLOW_PHASES else self.hang_s
-_WHEN, _PHASE, _STEP = 0, 1, 2  # columns: monotonic time of the last beat, phase index, step posted (trainers)
+# columns: monotonic time of the last beat, phase index, step posted (trainers)
+_WHEN, _PHASE, _STEP = 0, 1, 2
 
 
 class Heartbeats:

@@ -1,5 +1,5 @@
-"""What the launcher settles once, before the first process starts, and hands to every process beside the typed
-config: the facts no config key states (read from the model, the data and the run folder).
+"""What the launcher settles once, before the first process starts, and hands to every process beside the
+typed config: the facts no config key states (read from the model, the data and the run folder).
 
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config)   # train.py
     RolloutArgs(worker=0, workers=1, cfg=cfg, setup=setup, ...)                          # one per process

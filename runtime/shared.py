@@ -23,8 +23,8 @@ from runtime.heartbeat import Heartbeats, NoHeart
 
 
 class StopFlag:
-    """The launcher's "stop now" to every process: Event's `set`/`is_set` on one shared byte. An mp.Event takes
-    a lock on every `is_set`, and a worker killed inside it would hang everyone else's next call."""
+    """The launcher's "stop now" to every process: Event's `set`/`is_set` on one shared byte. An mp.Event
+    takes a lock on every `is_set`, and a worker killed inside it would hang everyone else's next call."""
 
     def __init__(self):
         self._flag = torch.zeros(1, dtype=torch.uint8).share_memory_()
@@ -37,9 +37,9 @@ class StopFlag:
 
 
 def stop_when_dead(process, stop: "StopFlag | None" = None) -> "StopFlag":
-    """A stop flag that trips as soon as `process` (a multiprocessing Process) ends: for a weight publisher whose
-    engine runs in a child that no launcher supervises (the GPU tests and benchmarks), so that a dead engine
-    ends the wait for its acks at once instead of after the channel's 600 s."""
+    """A stop flag that trips as soon as `process` (a multiprocessing Process) ends: for a weight publisher
+    whose engine runs in a child that no launcher supervises (the GPU tests and benchmarks), so that a dead
+    engine ends the wait for its acks at once instead of after the channel's 600 s."""
     import threading
     from multiprocessing.connection import wait
 
@@ -68,15 +68,16 @@ class Finish:
         return bool(self._flag[0])
 
     def set(self, read=lambda: None):
-        """Mark the steps finished; `read()`, run under the lock, gives what is returned (the last row's counts)."""
+        """Mark the steps finished; `read()`, run under the lock, gives what is returned
+        (the last row's counts)."""
         with self._lock:
             self._flag[0] = 1
             return read()
 
     @contextmanager
     def unless_set(self, timeout: float = 10.0):
-        """Hold the lock for a short piece of bookkeeping; yields whether the steps are finished. A lock held for
-        `timeout` seconds belongs to a rank 0 that died inside `set`: the steps count as finished (the
+        """Hold the lock for a short piece of bookkeeping; yields whether the steps are finished. A lock held
+        for `timeout` seconds belongs to a rank 0 that died inside `set`: the steps count as finished (the
         trainer's death ends the run anyway)."""
         if not self._lock.acquire(timeout=timeout):
             yield True
@@ -91,13 +92,14 @@ SANDBOX_KILLS = ("sandbox_kills_time", "sandbox_kills_memory", "sandbox_kills_ou
 # Multi-turn episodes, counted by the rollout worker: the environment's own counts (envs.COUNTED), what went
 # wrong around it, and where an episode's time went (milliseconds, summed over episodes).
 EPISODE_COUNTERS = ("episodes", "successes", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors",
-                    "unknown_tools", "env_errors", "env_timeouts", "observations_cut", "observations_sanitized",
-                    "template_checks", "template_mismatches", "resumed_prefills", "full_prefills", "model_ms", "env_ms")
+                    "unknown_tools", "env_errors", "env_timeouts", "observations_cut",
+                    "observations_sanitized", "template_checks", "template_mismatches", "resumed_prefills",
+                    "full_prefills", "model_ms", "env_ms")
 
 
 class WorkerCounters:
-    """Per rollout worker, counts that only grow (but for the restart bookkeeping): written by the worker, read
-    by trainer rank 0 for its metrics and by the launcher when a worker dies."""
+    """Per rollout worker, counts that only grow (but for the restart bookkeeping): written by the worker,
+    read by trainer rank 0 for its metrics and by the launcher when a worker dies."""
     NAMES = (
         "tokens",  # tokens generated
         "groups",  # groups delivered into the ring
@@ -142,10 +144,11 @@ class WorkerCounters:
 
 
 class NodeCounters:
-    """cluster=ray: per generator node, what the trainer node's forwarding thread counted (launch/ray_nodes.py),
-    read by trainer rank 0 for each metrics row as ray/node<i>_<name>; and the weight broadcasts."""
-    NAMES = ("groups", "lost_groups", "restarts", "lost", "replacements", "forward_calls", "forward_s", "broadcasts",
-             "broadcast_s")
+    """cluster=ray: per generator node, what the trainer node's forwarding thread counted
+    (launch/ray_nodes.py), read by trainer rank 0 for each metrics row as ray/node<i>_<name>; and the weight
+    broadcasts."""
+    NAMES = ("groups", "lost_groups", "restarts", "lost", "replacements", "forward_calls", "forward_s",
+             "broadcasts", "broadcast_s")
 
     def __init__(self, nodes: list[int]):
         self.nodes = list(nodes)  # each row's index in cluster.ray.nodes
@@ -164,8 +167,10 @@ class NodeCounters:
             calls = v["forward_calls"]
             out.update({f"ray/node{node}_{name}": int(v[name]) for name in self.NAMES[:5]})  # counts
             out[f"ray/node{node}_forward_s"] = v["forward_s"] / calls if calls else 0.0
-        broadcasts, seconds = (self._table[0, self.NAMES.index(name)].item() for name in ("broadcasts", "broadcast_s"))
-        out.update({"ray/broadcasts": int(broadcasts), "ray/broadcast_s": seconds / broadcasts if broadcasts else 0.0})
+        broadcasts, seconds = (self._table[0, self.NAMES.index(name)].item()
+                               for name in ("broadcasts", "broadcast_s"))
+        out.update({"ray/broadcasts": int(broadcasts),
+                    "ray/broadcast_s": seconds / broadcasts if broadcasts else 0.0})
         return out
 
 
@@ -190,10 +195,11 @@ class Shared:
         return self.stop.is_set() or self.finish.is_set()
 
     def reclaim(self, worker: int) -> int | None:
-        """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered are
-        dropped and their staleness budget handed back, and its restart is counted. Groups it had put in the
-        ring stay (none lost, none twice). Returns how many were dropped (a replacement starts at the worker's
-        `next_group`), or None, touching nothing, once the trainer has taken its last step: no restart then."""
+        """After `worker` died: its half-written ring slot is freed, the groups it started but never delivered
+        are dropped and their staleness budget handed back, and its restart is counted. Groups it had put in
+        the ring stay (none lost, none twice). Returns how many were dropped (a replacement starts at the
+        worker's `next_group`), or None, touching nothing, once the trainer has taken its last step: no
+        restart then."""
         with self.finish.unless_set() as finished:
             if finished:
                 return None

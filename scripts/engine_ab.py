@@ -1,10 +1,10 @@
-"""Engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both alike:
-prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, ec7ed9a), CPU decode attention as
-two matmuls (`Llama.split_attention`: fp32 at ec7ed9a, bf16 at e6863a0) and a CPU cache that grows with the
-longest sequence (`BuiltinEngine.FIRST_WIDTH`, aa0ffcb). Off: no copies, the fused kernel, the cache max_len
-wide from the start. `--only attention` or `--only growth` switches that one alone (the others stay on); `--only
-widen` compares the cache widened in place GROWTH positions at a time (64cb786, on) with aa0ffcb's, which
-doubled into a fresh buffer (off, kept here as `doubling`).
+"""Engine changes, switched off and on in turn in one process, so that a drifting VM's speed affects both
+alike: prompt caches copied from a running sibling (`BuiltinEngine._held_prefixes`, ec7ed9a), CPU decode
+attention as two matmuls (`Llama.split_attention`: fp32 at ec7ed9a, bf16 at e6863a0) and a CPU cache that
+grows with the longest sequence (`BuiltinEngine.FIRST_WIDTH`, aa0ffcb). Off: no copies, the fused kernel, the
+cache max_len wide from the start. `--only attention` or `--only growth` switches that one alone (the others
+stay on); `--only widen` compares the cache widened in place GROWTH positions at a time (64cb786, on) with
+aa0ffcb's, which doubled into a fresh buffer (off, kept here as `doubling`).
 """
 import argparse
 import statistics
@@ -22,7 +22,8 @@ NEW_CACHE, FIT_CACHE = BuiltinEngine._new_cache, BuiltinEngine._fit_cache
 
 
 def doubling(engine: BuiltinEngine, positions: int) -> None:
-    """Session 18's growth: twice as wide (or `positions`), up to max_len, in a fresh buffer holding a copy."""
+    """Session 18's growth: twice as wide (or `positions`), up to max_len, in a fresh buffer holding a
+    copy."""
     width = engine.k_cache.shape[3]
     if positions > width:
         width = min(engine.max_len, max(positions, 2 * width))
@@ -43,7 +44,8 @@ def switch(on: bool, only: str) -> None:
 
 
 def tokens_per_s(model, prompts, new_tokens: int, eos, dtype) -> tuple[float, int]:
-    engine = BuiltinEngine(model, max_batch=64, max_len=max(map(len, prompts)) + new_tokens, seed=0, dtype=dtype)
+    engine = BuiltinEngine(model, max_batch=64, max_len=max(map(len, prompts)) + new_tokens, seed=0,
+                           dtype=dtype)
     engine.generate([Request(0, prompts[0], SamplingParams(max_new_tokens=2))])  # warm-up
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=() if eos is None else (eos,))
     start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""Before and after, for multi-turn runs: the episodes' success rate and tool calls per episode over the first and
-the last `--window` steps of each run, from its metrics.jsonl (the workers' counters, differenced per step).
+"""Before and after, for multi-turn runs: the episodes' success rate and tool calls per episode over the first
+and the last `--window` steps of each run, from its metrics.jsonl (the workers' counters, differenced per
+step).
 
     python scripts/episode_table.py outputs/a outputs/b ... [--window 3]
 """
@@ -9,8 +10,8 @@ import os
 
 
 def rates(rows: list[dict]) -> list[tuple[float, float, float]]:
-    """Per step: (success rate, valid tool calls per episode, malformed calls per episode) of the episodes that
-    ended since the previous row."""
+    """Per step: (success rate, valid tool calls per episode, malformed calls per episode) of the episodes
+    that ended since the previous row."""
     out, last = [], {}
     for row in rows:
         delta = {k: row.get(f"episode/{k}", 0) - last.get(k, 0) for k in

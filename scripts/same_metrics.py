@@ -1,13 +1,14 @@
-"""Do two runs give the same metrics? The check a refactor passes: a fixed-seed `max_staleness=0` run before and
-after the change must agree on every value but the wall-clock ones.
+"""Do two runs give the same metrics? The check a refactor passes: a fixed-seed `max_staleness=0` run before
+and after the change must agree on every value but the wall-clock ones.
 
     python scripts/same_metrics.py RUN_DIR_BEFORE RUN_DIR_AFTER [--added KEY,...]
 
 Compares metrics.jsonl row by row and summary.json, leaving out the clock and memory figures
-(`time_s`, `perf/*_s`, `*_per_s`, `perf/learner_mfu`; the summary's `wall_s`, `time_to_reward_*`, `peak_*`). Prints each
-differing value (the first 30) and a last line `same: <rows> rows, <keys> keys a row` or `differ: <n> values`;
-exit code 0 when they agree, 1 when they do not. `--added` names metrics the change adds: absent from every row
-before, they are left out of the comparison (a row that had them before still compares them).
+(`time_s`, `perf/*_s`, `*_per_s`, `perf/learner_mfu`; the summary's `wall_s`, `time_to_reward_*`, `peak_*`).
+Prints each differing value (the first 30) and a last line `same: <rows> rows, <keys> keys a row` or
+`differ: <n> values`; exit code 0 when they agree, 1 when they do not. `--added` names metrics the change
+adds: absent from every row before, they are left out of the comparison (a row that had them before still
+compares them).
 """
 import json
 import os
@@ -48,7 +49,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[2] == "--added":
         added, argv = frozenset(argv[3].split(",")), argv[:2]
     if len(argv) != 2:
-        print("usage: python scripts/same_metrics.py RUN_DIR_BEFORE RUN_DIR_AFTER [--added KEY,...]", file=sys.stderr)
+        print("usage: python scripts/same_metrics.py RUN_DIR_BEFORE RUN_DIR_AFTER [--added KEY,...]",
+              file=sys.stderr)
         return 2
     before, after = _rows(argv[0]), _rows(argv[1])
     found = differences(before, after, added)

@@ -1,34 +1,37 @@
-"""Every call ringrl makes into SGLang, checked against the source of the SGLang version requirements-gpu.txt pins,
-read with ast (never imported: sglang's imports want CUDA), so no GPU and no sglang install are needed.
+"""Every call ringrl makes into SGLang, checked against the source of the SGLang version requirements-gpu.txt
+pins, read with ast (never imported: sglang's imports want CUDA), so no GPU and no sglang install are needed.
 
     python -m scripts.sglang_calls                    # the pinned version: the installed sglang if it is that
-                                                      # version, else `pip download --no-deps` into .sglang_source/
+                                                      # version, else `pip download --no-deps` into
+                                                        .sglang_source/
     python -m scripts.sglang_calls --version 0.5.23   # another version, the same way
     python -m scripts.sglang_calls --source DIR       # an unpacked sglang (DIR holds sglang/, or is it)
 
-Prints a line per call: `ok`, `MISSING` (sglang lacks the name, a keyword, or the parameters in ringrl's order),
-or `UNCHECKED` (ringrl's code went where this script cannot follow it); then `sglang <version>: N calls, M ok`.
-Exits 0 only when every line is ok, 2 when no sglang source can be had.
+Prints a line per call: `ok`, `MISSING` (sglang lacks the name, a keyword, or the parameters in ringrl's
+order), or `UNCHECKED` (ringrl's code went where this script cannot follow it); then
+`sglang <version>: N calls, M ok`. Exits 0 only when every line is ok, 2 when no sglang source can be had.
 
-The calls come from ringrl's source: every .py file outside tests/ that imports sglang. Values are followed from
-those imports: a name imported from sglang is a symbol, and a call to it is checked (a class called gives an
-instance); `self.x = <instance>` types `self.x` in the whole class, a local assignment types the local, and a
-method called on an instance is looked up in the class's source, its own body then its bases'. ast cannot see what
-sglang's calls return, so small tables say the rest:
+The calls come from ringrl's source: every .py file outside tests/ that imports sglang. Values are followed
+from those imports: a name imported from sglang is a symbol, and a call to it is checked (a class called gives
+an instance); `self.x = <instance>` types `self.x` in the whole class, a local assignment types the local, and
+a method called on an instance is looked up in the class's source, its own body then its bases'. ast cannot
+see what sglang's calls return, so small tables say the rest:
 
-- ATTRIBUTES: the class of an attribute ringrl reads off an sglang object (None: not sglang's, as the asyncio loop).
+- ATTRIBUTES: the class of an attribute ringrl reads off an sglang object (None: not sglang's, as the asyncio
+  loop).
 - POSITIONAL: for each call with positional arguments, the parameters ringrl means, in order: a signature that
   reorders them fails even where the count still fits.
 - FORWARDS: keywords sglang passes on (`Engine(**kwargs)` builds `ServerArgs(**kwargs)`); DICTS: the ringrl
   functions whose returned dict literal is a class's keywords (`sampling_params()`: SamplingParams).
 
-The tables cannot go stale in silence: each of these is an UNCHECKED line, which fails the run. An attribute or
-a method used on an sglang value whose class nothing gives (an attribute ATTRIBUTES does not type, what an sglang
-call returned); a positional call POSITIONAL does not list, or lists at another length; an sglang object returned,
-passed to a call that is not sglang's, or stored anywhere but on `self` or in a local, where it would drop out of
-view; a table entry nothing in ringrl uses. Out of view: a keyword dict that DICTS does not name.
-Also checked: the sglang classes built in a function that calls `MultiprocessingSerializer.serialize` travel in
-its payload, so the SafeUnpickler next to the serializer must admit each.
+The tables cannot go stale in silence: each of these is an UNCHECKED line, which fails the run. An attribute
+or a method used on an sglang value whose class nothing gives (an attribute ATTRIBUTES does not type, what an
+sglang call returned); a positional call POSITIONAL does not list, or lists at another length; an sglang
+object returned, passed to a call that is not sglang's, or stored anywhere but on `self` or in a local, where
+it would drop out of view; a table entry nothing in ringrl uses. Out of view: a keyword dict that DICTS does
+not name.
+Also checked: the sglang classes built in a function that calls `MultiprocessingSerializer.serialize` travel
+in its payload, so the SafeUnpickler next to the serializer must admit each.
 """
 import argparse
 import ast
@@ -93,7 +96,8 @@ class Sglang:
         self.folder, self.trees = folder, {}  # folder: the package, .../sglang
 
     def tree(self, module: str):
-        """(module's ast, is a package), or None; a folder without __init__.py is an empty namespace package."""
+        """(module's ast, is a package), or None; a folder without __init__.py is an empty namespace
+        package."""
         if module not in self.trees:
             base = os.path.join(self.folder, *module.split(".")[1:])
             self.trees[module] = None
@@ -170,9 +174,9 @@ class Sglang:
         return next((f for f in (self.in_class(b, name) for b in self.bases(cls)) if f), None)
 
     def fields(self, cls: Found) -> tuple[list, list, bool]:
-        """A record's (fields in order, fields without a default, keyword-only): its bases' then its own; where
-        its module rebuilds it from namespace classes (`X.__annotations__ = ...` and a list of classes, as
-        sglang 0.5.2x's ServerArgs), theirs too."""
+        """A record's (fields in order, fields without a default, keyword-only): its bases' then its own;
+        where its module rebuilds it from namespace classes (`X.__annotations__ = ...` and a list of classes,
+        as sglang 0.5.2x's ServerArgs), theirs too."""
         decorators = [d for d in cls.node.decorator_list if isinstance(d, ast.Call)]
         header = cls.node.keywords + [k for d in decorators for k in d.keywords]
         kw_only = any(k.arg == "kw_only" and getattr(k.value, "value", None) is True for k in header)
@@ -208,7 +212,8 @@ class Sglang:
             return None
         args = found.node.args
         decorators = {ast.unparse(d) for d in found.node.decorator_list}
-        drop = found.owner is not None and "staticmethod" not in decorators and (bound or "classmethod" in decorators)
+        drop = (found.owner is not None and "staticmethod" not in decorators
+                and (bound or "classmethod" in decorators))
         positional = [a.arg for a in args.posonlyargs + args.args][drop:]
         defaults = len(args.defaults)
         required = positional[:len(positional) - defaults] + [
@@ -217,7 +222,8 @@ class Sglang:
         return Params(positional, keywords, required, args.vararg is not None, args.kwarg is not None)
 
     def admitted(self, module: str) -> set | None:
-        """The (module, name) pairs SafeUnpickler next to the serializer in `module` admits; None: no such class."""
+        """The (module, name) pairs SafeUnpickler next to the serializer in `module` admits; None: no such
+        class."""
         found = self.in_module(module, "SafeUnpickler")
         if not found or found.kind != "class":
             return None
@@ -257,7 +263,8 @@ SELF = "self"  # the type of a method's first parameter: `self.x` is looked up i
 @dataclass(frozen=True)
 class Use:
     kind: str  # import | call | method (on an instance) | attribute | pickled | unchecked
-    target: str  # the sglang name as ringrl reaches it (sglang.Engine.async_generate); unchecked: what went wrong
+    # the sglang name as ringrl reaches it (sglang.Engine.async_generate); unchecked: what went wrong
+    target: str
     positional: int = 0
     keywords: tuple = ()
     alternatives: tuple = ()  # an import's fallbacks under `except ImportError`: one of them must exist
@@ -285,7 +292,8 @@ class Follower:
         self.sglang, self.record, self.attrs, self.in_fallback = sglang, True, None, False
         self.lines: dict[Use, list[int]] = {}
         self.fallbacks, self.built, self.serializer = {}, [], None
-        self.read, self.positional, self.keyworded = set(), set(), set()  # what the tables' entries are used by
+        # what the tables' entries are used by
+        self.read, self.positional, self.keyworded = set(), set(), set()
 
     def use(self, node, use: Use) -> None:
         if self.record:
@@ -301,7 +309,8 @@ class Follower:
             if isinstance(node, ast.ClassDef):
                 self.attrs = {}
                 methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-                for record in (False, False, True):  # `self.x` typed from every method before uses are recorded
+                # `self.x` typed from every method before uses are recorded
+                for record in (False, False, True):
                     self.record = record
                     for method in methods:
                         self.function(method, env, method=True)
@@ -310,9 +319,11 @@ class Follower:
 
     def function(self, node, env: dict, method: bool = False) -> None:
         env, args = dict(env), node.args
-        names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a]
+        names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]
+                 if a]
         env.update((name, None) for name in names)
-        if method and args.posonlyargs + args.args and "staticmethod" not in map(ast.unparse, node.decorator_list):
+        if method and args.posonlyargs + args.args and \
+                "staticmethod" not in map(ast.unparse, node.decorator_list):
             env[names[0]] = SELF
         saved, self.built, self.serializer = (self.built, self.serializer), [], None
         self.block(node.body, env)
@@ -434,7 +445,8 @@ class Follower:
                 return None
             value = self.ev(ast.copy_location(ast.Attribute(node.args[0], name.value, ast.Load()), node), env)
             return value if func.id == "getattr" else None
-        kind, path = split(self.ev(func.value, env) if isinstance(func, ast.Attribute) else self.ev(func, env))
+        kind, path = split(self.ev(func.value, env) if isinstance(func, ast.Attribute)
+                           else self.ev(func, env))
         if isinstance(func, ast.Attribute) and kind in ("instance", "module", "symbol"):
             target, bound = f"{path}.{func.attr}", kind == "instance"
         elif not isinstance(func, ast.Attribute) and kind == "symbol":
@@ -503,7 +515,8 @@ def collect(root: str, sglang: Sglang) -> dict[Use, list[tuple[str, int]]]:
                     for n in ast.walk(f) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)]
         if returned:
             keys = tuple(k.value for k in returned[0].value.keys if isinstance(k, ast.Constant))
-            sites.setdefault(Use("call", cls, 0, keys, via=f"{function}()"), []).append((rel, returned[0].lineno))
+            sites.setdefault(Use("call", cls, 0, keys, via=f"{function}()"), []).append(
+                (rel, returned[0].lineno))
         else:
             sites[Use("unchecked", f"DICTS names {key}, which is gone or returns no dict literal")] = here
     for table, name, used in ((ATTRIBUTES, "ATTRIBUTES", read), (POSITIONAL, "POSITIONAL", positional),
@@ -526,8 +539,10 @@ def check_call(sglang: Sglang, use: Use, p: Params) -> tuple[bool, str]:
     if n > len(p.positional) and not p.varargs:
         problems.append(f"takes {len(p.positional)} positional arguments, ringrl passes {n}")
     meant = POSITIONAL.get(use.target, ())
-    if len(meant) == n and len(p.positional) >= n and tuple(p.positional[:n]) != meant:  # else UNCHECKED already
-        problems.append(f"its first parameters are ({', '.join(p.positional[:n])}), ringrl means ({', '.join(meant)})")
+    # else UNCHECKED already
+    if len(meant) == n and len(p.positional) >= n and tuple(p.positional[:n]) != meant:
+        problems.append(f"its first parameters are ({', '.join(p.positional[:n])}), ringrl means "
+                        f"({', '.join(meant)})")
     unknown = [k for k in use.keywords if k not in p.keywords]
     required = [r for r in p.required if r not in p.positional[:n] and r not in use.keywords]
     if unknown and p.kwargs:
@@ -556,7 +571,8 @@ def check(sglang: Sglang, use: Use) -> tuple[bool, str]:
     found = sglang.resolve(use.target)
     if use.kind == "import" and not found:
         other = next((a for a in use.alternatives if sglang.resolve(a)), None)
-        return (True, f"absent here; {other} is imported instead") if other else (False, missing(sglang, use.target))
+        return ((True, f"absent here; {other} is imported instead") if other
+                else (False, missing(sglang, use.target)))
     if not found:
         return False, missing(sglang, use.target)
     if use.kind in ("import", "attribute"):
@@ -567,9 +583,11 @@ def check(sglang: Sglang, use: Use) -> tuple[bool, str]:
         if admitted is None:
             return True, "no SafeUnpickler next to the serializer: any class unpickles"
         name = (found.module, found.node.name)
-        return name in admitted, "SafeUnpickler admits it" if name in admitted else "SafeUnpickler does not admit it"
+        return name in admitted, ("SafeUnpickler admits it" if name in admitted
+                                  else "SafeUnpickler does not admit it")
     params = sglang.params(found, use.kind == "method")
-    return check_call(sglang, use, params) if params else (True, f"a {found.kind}: its parameters are not checked")
+    return (check_call(sglang, use, params) if params
+            else (True, f"a {found.kind}: its parameters are not checked"))
 
 
 def describe(use: Use) -> str:
@@ -586,7 +604,8 @@ def describe(use: Use) -> str:
 
 
 def check_all(folder: str, root: str = ROOT) -> list[tuple[bool, str]]:
-    """One (ok, line) per use of sglang in ringrl's source under `root`, checked against the package in `folder`."""
+    """One (ok, line) per use of sglang in ringrl's source under `root`, checked against the package in
+    `folder`."""
     sglang, lines = Sglang(folder), []
     uses = collect(root, sglang)
     for use, where in sorted(uses.items(), key=lambda item: item[1][0]):
@@ -613,7 +632,8 @@ def pinned_version(root: str = ROOT) -> str:
 
 def package(folder: str) -> str | None:
     """The sglang package in `folder` (its sglang/, or itself), or None."""
-    return next((p for p in (os.path.join(folder, "sglang"), folder) if os.path.isdir(os.path.join(p, "srt"))), None)
+    return next((p for p in (os.path.join(folder, "sglang"), folder)
+                 if os.path.isdir(os.path.join(p, "srt"))), None)
 
 
 def version_of(folder: str) -> str:
@@ -628,13 +648,15 @@ def version_of(folder: str) -> str:
 
 
 def download(version: str, cache: str) -> str:
-    """sglang `version`'s package, from the cache or `pip download --no-deps` (its .py files kept, not the archive)."""
+    """sglang `version`'s package, from the cache or `pip download --no-deps` (its .py files kept, not the
+    archive)."""
     unpacked = os.path.join(cache, version, "src")
     if package(unpacked):
         return package(unpacked)
     archives = os.path.join(cache, version, "dist")
     os.makedirs(archives, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", "-q", "-d", archives]
+    command = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", "-q", "-d",
+               archives]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         error = result.returncode and (result.stderr.strip().splitlines() or ["pip failed"])[-1]
@@ -643,8 +665,8 @@ def download(version: str, cache: str) -> str:
     found = sorted(n for n in os.listdir(archives) if n.endswith(".whl"))  # sglang publishes wheels only
     if error or not found:
         shutil.rmtree(os.path.join(cache, version), ignore_errors=True)
-        raise SourceError(f"no installed sglang {version}, and `pip download sglang=={version} --no-deps` failed: "
-                          f"{error or 'no archive'}; pass --source DIR (an unpacked sglang)")
+        raise SourceError(f"no installed sglang {version}, and `pip download sglang=={version} --no-deps` "
+                          f"failed: {error or 'no archive'}; pass --source DIR (an unpacked sglang)")
     partial, archive = unpacked + ".partial", os.path.join(archives, found[0])
     shutil.rmtree(partial, ignore_errors=True)
     with zipfile.ZipFile(archive) as z:
@@ -676,9 +698,11 @@ def find_source(version: str | None, source: str | None, cache: str = CACHE) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="ringrl's calls into SGLang, checked against SGLang's source.")
+    parser = argparse.ArgumentParser(description="ringrl's calls into SGLang, checked against "
+                                                 "SGLang's source.")
     parser.add_argument("--version", help="the sglang version to check (default: requirements-gpu.txt's pin)")
-    parser.add_argument("--source", help="an unpacked sglang (a folder holding sglang/srt/, or sglang/ itself)")
+    parser.add_argument("--source",
+                        help="an unpacked sglang (a folder holding sglang/srt/, or sglang/ itself)")
     args = parser.parse_args(argv)
     try:
         folder, version, origin = find_source(args.version, args.source)

@@ -24,12 +24,15 @@ class Task:
     reward_options: dict = field(default_factory=dict)  # keyword arguments of a reward built per process
     # Multi-turn (envs/): a new environment per episode, built in the rollout process (None: one-shot replies)
     env: Callable[[], "Env"] | None = None
-    stop_strings: tuple[str, ...] = ()  # text that ends a turn besides the stop tokens (a tool call's closing tag)
-    observation_role: str = "user"  # the role the environment's turns are rendered with (Hermes tools: "tool")
+    # text that ends a turn besides the stop tokens (a tool call's closing tag)
+    stop_strings: tuple[str, ...] = ()
+    # the role the environment's turns are rendered with (Hermes tools: "tool")
+    observation_role: str = "user"
     tools: list[dict] | None = None  # tool schemas handed to the chat template (the Hermes/Qwen call format)
 
     def messages(self, example: Example) -> list[dict]:
-        """The first messages of an episode of `example`: the environment's, or the question as a user turn."""
+        """The first messages of an episode of `example`: the environment's, or the question as a user
+        turn."""
         if self.env is None:
             return [{"role": "user", "content": example.question}]
         env = self.env()

@@ -1,5 +1,5 @@
-"""Multi-turn: the arithmetic task with retries. A wrong answer gets "Wrong, try again." and another attempt, up
-to `attempts`; a right one scores `discount ** (attempt - 1)`. The cheapest test of the loss masks: the
+"""Multi-turn: the arithmetic task with retries. A wrong answer gets "Wrong, try again." and another attempt,
+up to `attempts`; a right one scores `discount ** (attempt - 1)`. The cheapest test of the loss masks: the
 feedback turns must never be trained on."""
 import re
 from dataclasses import dataclass
@@ -36,7 +36,8 @@ class Env:
             return Step(None, self.cfg.discount ** (self.attempt - 1), done=True, info={"success": True})
         if self.attempt >= self.cfg.attempts:
             return Step(None, 0.0, done=True)
-        return Step("Wrong, try again. Reply with just the number.", info={} if numbers else {"parse_errors": 1})
+        return Step("Wrong, try again. Reply with just the number.",
+                    info={} if numbers else {"parse_errors": 1})
 
     def close(self) -> None:
         pass

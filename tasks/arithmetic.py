@@ -15,7 +15,8 @@ class Config:
     name: str = "arithmetic"
     max_operand: int = 9  # operands drawn from 0..max_operand
     test_size: int = 20  # (a, b) pairs held out for the test split
-    reward: str = "arithmetic"  # the verifier: a registered name or "package.module:function" (ablations, tests)
+    # the verifier: a registered name or "package.module:function" (ablations, tests)
+    reward: str = "arithmetic"
 
     def check(self):
         pairs = (self.max_operand + 1) ** 2

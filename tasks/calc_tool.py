@@ -1,4 +1,5 @@
-"""Multi-turn with a tool: multi-digit multiplication, which a 135M model cannot do in its head, with a calculator.
+"""Multi-turn with a tool: multi-digit multiplication, which a 135M model cannot do in its head, with a
+calculator.
 
 The model may write `<calc>347*29</calc>` (the tags format; generation stops at the closing tag), reads the
 result as the next user turn, and ends with its answer; the reply's last number is scored against the product.
@@ -24,17 +25,19 @@ class Config:
     digits: int = 3  # the larger factor has this many digits, the other one fewer
     train_size: int = 2000  # generated training questions
     test_size: int = 20  # generated test questions
-    format: str = "tags"  # tags (<calc>...</calc>) | hermes (<tool_call>{json}</tool_call> via the chat template)
+    # tags (<calc>...</calc>) | hermes (<tool_call>{json}</tool_call> via the chat template)
+    format: str = "tags"
     tools: list[str] = field(default_factory=lambda: ["calc"])  # calc, python (sandboxed)
-    # worked exchanges (a call, its result, the answer) before the question, as earlier chat turns: SmolLM2-135M
-    # writes a valid call in 0% of first turns without one, 16% after one, 89% after two (bench/tool_calls.py)
+    # worked exchanges (a call, its result, the answer) before the question, as earlier chat turns:
+    # SmolLM2-135M writes a valid call in 0% of first turns without one, 16% after one, 89% after two
+    # (bench/tool_calls.py)
     shots: int = 1
     python_timeout_s: float = 3.0  # the python tool's wall clock per call
 
     def check(self):
         require(2 <= self.digits <= 6, "task.digits", "must be in [2, 6]", self.digits)
-        require(self.train_size >= 1 and self.test_size >= 1, "task.train_size", "and task.test_size must be >= 1",
-                (self.train_size, self.test_size))
+        require(self.train_size >= 1 and self.test_size >= 1, "task.train_size",
+                "and task.test_size must be >= 1", (self.train_size, self.test_size))
         require(0 <= self.shots <= len(SHOTS), "task.shots", f"must be in [0, {len(SHOTS)}]", self.shots)
         require(self.format in FORMATS, "task.format", f"must be one of {', '.join(FORMATS)}", self.format)
         require(bool(self.tools) and set(self.tools) <= {"calc", "python"}, "task.tools",

@@ -28,7 +28,8 @@ EXPECTED = ("'tests' (asserts), 'inputs' and 'outputs' (stdin/stdout cases), MBP
 @dataclass
 class Config:
     name: str = "code"
-    path: str = ""  # local .jsonl/.parquet file or folder; empty: download MBPP (sanitized) through `datasets`
+    # local .jsonl/.parquet file or folder; empty: download MBPP (sanitized) through `datasets`
+    path: str = ""
     max_train: int = 0  # training problems kept, chosen by the seed (0: all)
     max_test: int = 0  # test problems kept, chosen by the seed (0: all)
     test_size: int = 100  # problems held out as the test split when the data has none (a single file)
@@ -113,10 +114,12 @@ def _function(where: str, statement: str, tests: list, setup, max_cases: int) ->
 def _stdio(where: str, question: str, inputs: list, outputs: list, max_cases: int) -> Example:
     if len(inputs) != len(outputs):
         raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
-    inputs, outputs = _cut([_lines(x) for x in inputs], max_cases), _cut([_lines(x) for x in outputs], max_cases)
+    inputs, outputs = (_cut([_lines(x) for x in inputs], max_cases),
+                       _cut([_lines(x) for x in outputs], max_cases))
     if not all(isinstance(x, str) for x in inputs + outputs):
         raise ValueError(f"{where}: stdin/stdout cases must be strings (or lists of lines)")
-    question = (f"{question.strip()}\nRead the input from standard input and print the answer to standard output.\n"
+    question = (f"{question.strip()}\n"
+                "Read the input from standard input and print the answer to standard output.\n"
                 f"{INSTRUCTION}")
     return Example(question, json.dumps({"inputs": inputs, "outputs": outputs}))
 
@@ -129,8 +132,10 @@ def _apps(where: str, row: dict, max_cases: int) -> Example:
         inputs, outputs = cases["inputs"], cases["outputs"]
     except (json.JSONDecodeError, TypeError, KeyError):
         raise ValueError(f"{where}: 'input_output' must be JSON with 'inputs' and 'outputs'") from None
-    if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
-        raise ValueError(f"{where}: 'input_output' needs equally long, non-empty 'inputs' and 'outputs' lists")
+    if (not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs
+            or len(inputs) != len(outputs)):
+        raise ValueError(f"{where}: 'input_output' needs equally long, non-empty 'inputs' "
+                         "and 'outputs' lists")
     starter = row.get("starter_code") or ""
     if not cases.get("fn_name"):
         if starter.strip():

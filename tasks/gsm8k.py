@@ -1,6 +1,7 @@
 """GSM8K grade-school word problems, answered as `#### <number>` and scored by the "gsm8k" reward.
 
-`task.path` empty downloads `openai/gsm8k` (config `main`) through `datasets`; otherwise it names a local copy:
+`task.path` empty downloads `openai/gsm8k` (config `main`) through `datasets`; otherwise it names a local
+copy:
   - a JSONL file in GSM8K's format, one {"question": ..., "answer": "... #### 72"} per line;
   - a parquet file with those columns (the hub's main/train-*.parquet);
   - a folder whose .jsonl/.parquet files, at any depth, have "train" or "test" in their names (for a copy of
@@ -78,7 +79,8 @@ def read_hub(dataset: str, configs: list[str]) -> tuple[list, list]:
     except Exception as e:  # no internet, no `datasets`, a hub error: all are the user's to work around
         raise ValueError(f"could not load '{dataset}' from the hub ({first_line(e)}); "
                          "download the dataset and pass task.path=<file or folder>") from None
-    return tuple([(f"{dataset} {split} row {i}", row) for part in parts for i, row in enumerate(part[split], 1)]
+    return tuple([(f"{dataset} {split} row {i}", row)
+                  for part in parts for i, row in enumerate(part[split], 1)]
                  for split in ("train", "test"))
 
 
@@ -87,7 +89,8 @@ def read_path(path: str) -> tuple[list, list | None]:
     if os.path.isfile(path):
         return read_file(path), None
     if not os.path.isdir(path):
-        raise ValueError(f"task.path '{path}' does not exist; give a .jsonl or .parquet file or a folder of them")
+        raise ValueError(f"task.path '{path}' does not exist; give a .jsonl or .parquet file or "
+                         "a folder of them")
     files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
                    if name.endswith(SUFFIXES))
     train = [f for f in files if "train" in os.path.basename(f)]
@@ -102,7 +105,8 @@ def read_file(file: str) -> list:
         import pyarrow.parquet as pq
         try:
             return [(f"{file} row {i}", row) for i, row in enumerate(pq.read_table(file).to_pylist(), 1)]
-        except Exception as e:  # pyarrow raises OSError, ArrowInvalid (a ValueError) and others for a bad file
+        except Exception as e:
+            # pyarrow raises OSError, ArrowInvalid (a ValueError) and others for a bad file
             raise ValueError(f"cannot read task.path file '{file}' as parquet ({first_line(e)})") from None
     if not file.endswith(".jsonl"):
         raise ValueError(f"task.path file '{file}' is neither .jsonl nor .parquet")
@@ -115,12 +119,14 @@ def read_file(file: str) -> list:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{file} line {n} is not JSON ({e.msg}); expected one object per line") from None
+                    raise ValueError(f"{file} line {n} is not JSON ({e.msg}); expected "
+                                     "one object per line") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{file} line {n} is not a JSON object; expected one object per line")
                 rows.append((f"{file} line {n}", row))
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read task.path file '{file}' ({first_line(e)}); expected UTF-8 JSONL") from None
+        raise ValueError(f"cannot read task.path file '{file}' ({first_line(e)}); "
+                         "expected UTF-8 JSONL") from None
     return rows
 
 
@@ -140,7 +146,8 @@ def choose(train: list, test: list | None, cfg, seed: int, source: str) -> tuple
 def _pick(examples: list, k: int, rng: random.Random) -> tuple[list, list]:
     """(k examples chosen by `rng`, the others), both in their original order."""
     chosen = set(rng.sample(range(len(examples)), k)) if k < len(examples) else set(range(len(examples)))
-    return [x for i, x in enumerate(examples) if i in chosen], [x for i, x in enumerate(examples) if i not in chosen]
+    return ([x for i, x in enumerate(examples) if i in chosen],
+            [x for i, x in enumerate(examples) if i not in chosen])
 
 
 def first_line(e: Exception) -> str:

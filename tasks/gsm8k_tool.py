@@ -1,10 +1,11 @@
 """GSM8K with the python tool: the model may run code in the sandbox before its final `#### <number>`.
 
-For the models researchers train on GPUs (Qwen2.5-style chat templates): `task.format=hermes` (the default) puts
-the tool's schema in the prompt and reads `<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>`,
-answered as a `tool` turn; `task.format=tags` reads `<python>...</python>` instead. The data and the final
-answer's scoring are task=gsm8k's (`task.path`, the "gsm8k" reward). Runnable on the CPU; not expected to learn
-there with the embedded 135M model.
+For the models researchers train on GPUs (Qwen2.5-style chat templates): `task.format=hermes` (the default)
+puts the tool's schema in the prompt and reads
+`<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>`, answered as a `tool` turn;
+`task.format=tags` reads `<python>...</python>` instead. The data and the final answer's scoring are
+task=gsm8k's (`task.path`, the "gsm8k" reward). Runnable on the CPU; not expected to learn there with the
+embedded 135M model.
 """
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ TOOL_HINT = {"hermes": "You may run Python with the python tool; print what you 
 @dataclass
 class Config(gsm8k.Config):
     name: str = "gsm8k_tool"
-    format: str = "hermes"  # hermes (<tool_call>{json}</tool_call> via the chat template) | tags (<python>...</python>)
+    # hermes (<tool_call>{json}</tool_call> via the chat template) | tags (<python>...</python>)
+    format: str = "hermes"
     python_timeout_s: float = 5.0  # the python tool's wall clock per call
     python_memory_mb: int = 1024  # its address space
 

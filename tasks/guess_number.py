@@ -3,8 +3,9 @@
 The worked example of an environment (docs/design.md, "Adding an environment"): one file, a `Config`, a
 `build(cfg, seed) -> Task` whose `env` makes one `Env` per episode, and the `Env`: `reset` gives the first
 messages (the same for every episode of an example, so a group shares its prompt), `step` reads the policy's
-turn as text and answers. A hit scores 1 minus `turn_cost` per earlier guess; a miss after the last turn scores
-0. Random distinct guesses hit about 37% of the time in 6 tries over 1..16; binary search always within 5.
+turn as text and answers. A hit scores 1 minus `turn_cost` per earlier guess; a miss after the last turn
+scores 0. Random distinct guesses hit about 37% of the time in 6 tries over 1..16; binary search always
+within 5.
 """
 import random
 import re
@@ -57,4 +58,5 @@ def build(cfg: Config, seed: int) -> Task:
     secrets = list(range(1, cfg.high + 1))
     train = [Example(question, str(s)) for s in secrets for _ in range(cfg.copies)]
     random.Random(seed).shuffle(train)
-    return Task(reward="", train=train, test=[Example(question, str(s)) for s in secrets], env=lambda: Env(cfg))
+    return Task(reward="", train=train, test=[Example(question, str(s)) for s in secrets],
+                env=lambda: Env(cfg))

@@ -1,4 +1,5 @@
-"""Competition math (MATH, Hendrycks et al. 2021): the final answer goes in `\\boxed{}`, scored by the "math" reward.
+"""Competition math (MATH, Hendrycks et al. 2021): the final answer goes in `\\boxed{}`, scored by the "math"
+reward.
 
 `task.path` empty downloads `EleutherAI/hendrycks_math` through `datasets`: one config per subject (those in
 `task.subjects`, else all seven), each with train (7,500 in all) and test (5,000) splits and the fields
@@ -6,7 +7,8 @@
 A local copy is read as in tasks/gsm8k.py: a .jsonl or .parquet file, or a folder of files with "train" and
 "test" in their names (a copy of the hub repository works as is). A row needs `problem` and either `answer`
 (preferred when present, as in HuggingFaceH4/MATH-500) or a `solution` holding a `\\boxed{...}`; the reward
-takes the last box of a solution. The level filter reads `level`; the subject filter reads `type` or `subject`.
+takes the last box of a solution. The level filter reads `level`; the subject filter reads `type` or
+`subject`.
 """
 import re
 from dataclasses import dataclass, field
@@ -24,7 +26,8 @@ INSTRUCTION = "Reason briefly, then put the final answer in \\boxed{}."
 @dataclass
 class Config:
     name: str = "math"
-    path: str = ""  # local .jsonl/.parquet file or folder; empty: download EleutherAI/hendrycks_math (internet)
+    # local .jsonl/.parquet file or folder; empty: download EleutherAI/hendrycks_math (internet)
+    path: str = ""
     max_train: int = 0  # training examples kept, chosen by the seed (0: all)
     max_test: int = 0  # test examples kept, chosen by the seed (0: all)
     test_size: int = 100  # examples held out as the test split when the data has none (a single file)
@@ -35,8 +38,8 @@ class Config:
         check_sizes(self)
         require(isinstance(self.levels, list) and all(type(x) is int and 1 <= x <= 5 for x in self.levels),
                 "task.levels", "must be a list of levels 1..5", self.levels)
-        require(isinstance(self.subjects, list) and all(s in SUBJECTS for s in self.subjects), "task.subjects",
-                f"must be a list of {', '.join(SUBJECTS)}", self.subjects)
+        require(isinstance(self.subjects, list) and all(s in SUBJECTS for s in self.subjects),
+                "task.subjects", f"must be a list of {', '.join(SUBJECTS)}", self.subjects)
 
 
 def build(cfg: Config, seed: int) -> Task:
@@ -45,7 +48,8 @@ def build(cfg: Config, seed: int) -> Task:
     else:
         train, test = read_hub(HUB_ID, [s for s in SUBJECTS if not cfg.subjects or s in cfg.subjects])
     train = [_example(w, row) for w, row in train if _kept(w, row, cfg.levels, cfg.subjects)]
-    test = None if test is None else [_example(w, row) for w, row in test if _kept(w, row, cfg.levels, cfg.subjects)]
+    test = (None if test is None
+            else [_example(w, row) for w, row in test if _kept(w, row, cfg.levels, cfg.subjects)])
     if not train and (cfg.levels or cfg.subjects):
         raise ValueError(f"no training example in '{cfg.path or HUB_ID}' is of task.levels={cfg.levels} "
                          f"and task.subjects={cfg.subjects}; widen the filters")
@@ -61,7 +65,8 @@ def _example(where: str, row: dict) -> Example:
     else:
         reference = text(row, where, "solution", expected)
         if not re.search(r"\\(?:boxed|fbox)\s*\{", reference):
-            raise ValueError(f"{where}: the solution has no \\boxed{{...}} answer (or give an 'answer' field)")
+            raise ValueError(f"{where}: the solution has no \\boxed{{...}} answer (or give "
+                             "an 'answer' field)")
     return Example(f"{problem.strip()}\n{INSTRUCTION}", reference)
 
 

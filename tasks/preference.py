@@ -25,10 +25,10 @@ class Config:
 
     def check(self):
         check_sizes(self)
-        require(bool(self.path), "task.path", "is required for task=preference (a .jsonl/.parquet file or folder)",
-                self.path)
-        require(bool(self.reward_model), "task.reward_model", "is required for task=preference (a reward model path)",
-                self.reward_model)
+        require(bool(self.path), "task.path",
+                "is required for task=preference (a .jsonl/.parquet file or folder)", self.path)
+        require(bool(self.reward_model), "task.reward_model",
+                "is required for task=preference (a reward model path)", self.reward_model)
 
 
 def build(cfg: Config, seed: int) -> Task:
@@ -47,6 +47,7 @@ def _example(where: str, row: dict) -> Example:
         head = " ".join(str(row[k]) for k in ("subreddit", "title") if row.get(k))
         post = f"{head}\n{row['post']}" if head else str(row["post"])
     else:
-        raise ValueError(f"{where}: expected a 'prompt' or 'post' field (got {', '.join(sorted(row)) or 'none'})")
+        raise ValueError(f"{where}: expected a 'prompt' or 'post' field (got "
+                         f"{', '.join(sorted(row)) or 'none'})")
     # The reward model sees the post and the summary; the policy sees them with the instruction.
     return Example(question=f"{post}\n\n{INSTRUCTION}", answer=post)

@@ -27,8 +27,8 @@ class Config:
 
     def check(self):
         for key in ("victim_model", "classifier"):
-            require(bool(getattr(self, key)), f"task.{key}", "is required for task=redteam (a model folder or hub id)",
-                    getattr(self, key))
+            require(bool(getattr(self, key)), f"task.{key}",
+                    "is required for task=redteam (a model folder or hub id)", getattr(self, key))
         require(self.victim_max_new_tokens >= 1, "task.victim_max_new_tokens", "must be >= 1",
                 self.victim_max_new_tokens)
         require(self.diversity >= 0, "task.diversity", "must be >= 0", self.diversity)

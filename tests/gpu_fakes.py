@@ -13,8 +13,9 @@ from engines.buckets import unpack
 
 def tiny_lm(tied=True, vocab=1024):
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=tied))
 
 
 def next_token(context):
@@ -126,7 +127,9 @@ class FakeSGLang(FakeBackend):
     def end_update(self):
         super().end_update()
         self.versions += 1
-        torch.save({name: t for names, _, _ in self.loaded for name, t in names.items()}, self.prefix + "-weights.pt")
+        torch.save({name: t for names, _, _ in self.loaded for name, t in names.items()},
+                   self.prefix + "-weights.pt")
         with open(self.prefix + "-loads.jsonl", "a") as f:
-            f.write(json.dumps({"flush": [flush for *_, flush in self.loaded], "interrupted": self.interrupted}) + "\n")
+            f.write(json.dumps({"flush": [flush for *_, flush in self.loaded],
+                                "interrupted": self.interrupted}) + "\n")
         self.loaded = []

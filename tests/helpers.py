@@ -7,10 +7,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_cmd(run_dir, *overrides):
-    """train.py without its progress bar and, unless the test asks for them, without curves.png (2 s a run)."""
+    """train.py without its progress bar and, unless the test asks for them, without curves.png (2 s a
+    run)."""
     curves = [] if any(o.startswith("curves=") for o in overrides) else ["curves=false"]
-    return [sys.executable, os.path.join(ROOT, "train.py"), f"hydra.run.dir={run_dir}", "progress=false", *curves,
-            *overrides]
+    return [sys.executable, os.path.join(ROOT, "train.py"), f"hydra.run.dir={run_dir}", "progress=false",
+            *curves, *overrides]
 
 
 def die_with_parent() -> None:
@@ -23,8 +24,8 @@ def die_with_parent() -> None:
 
 
 def run_train(run_dir, *overrides, timeout=300):
-    return subprocess.run(train_cmd(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=die_with_parent)
+    return subprocess.run(train_cmd(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=die_with_parent)
 
 
 def descendants(pid: int) -> list[int]:

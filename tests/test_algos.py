@@ -17,7 +17,8 @@ def make_mb(rewards, seed=0, step=0, **overrides):
     g = torch.Generator().manual_seed(seed)
     n = len(rewards)
     rand = lambda: torch.randn(n, T, generator=g, dtype=torch.float64)  # noqa: E731
-    mask = torch.tensor([[1.0 if t < LENGTHS[i] else 0.0 for t in range(T)] for i in range(n)], dtype=torch.float64)
+    mask = torch.tensor([[1.0 if t < LENGTHS[i] else 0.0 for t in range(T)] for i in range(n)],
+                        dtype=torch.float64)
     behav = -1.0 - rand().abs()
     logprobs = (behav + 0.3 * rand()).requires_grad_(True)
     fields = dict(logprobs=logprobs, behav_logprobs=behav, mask=mask,
@@ -151,16 +152,18 @@ def test_ppo_dual_clip_caps_a_negative_advantage_s_loss():
 def test_overlong_shaping_is_dapo_s_linear_ramp():
     from algos.grpo import overlong_shaping
 
-    got = overlong_shaping(torch.tensor([10, 16, 17, 18, 20, 25]), max_new_tokens=20, buffer_frac=0.2, penalty=1.0)
+    got = overlong_shaping(torch.tensor([10, 16, 17, 18, 20, 25]), max_new_tokens=20, buffer_frac=0.2,
+                           penalty=1.0)
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
 
 
 def test_grpo_overlong_penalty_enters_the_advantage():
-    """Same rewards, one long completion per group: with the shaping the long ones' advantages drop, so the loss
-    equals plain grpo on the shaped rewards."""
+    """Same rewards, one long completion per group: with the shaping the long ones' advantages drop, so the
+    loss equals plain grpo on the shaped rewards."""
     mb = make_mb(REWARDS)
     lengths = mb.mask.sum(1)
-    ramp = {1: 0.0, 2: 0.0, 3: -0.5, 4: -1.0}  # max_new_tokens 4, a buffer of 2: from 0 at 2 tokens to -1 at 4
+    # max_new_tokens 4, a buffer of 2: from 0 at 2 tokens to -1 at 4
+    ramp = {1: 0.0, 2: 0.0, 3: -0.5, 4: -1.0}
     shaped = mb.rewards + torch.tensor([ramp[int(n)] for n in lengths], dtype=torch.float64)
     want, _, _ = run(algos.get("grpo"), make_mb(shaped.tolist()))
     got, _, metrics = run(algos.get("grpo"), make_mb(REWARDS), overlong_buffer_frac=0.5, overlong_penalty=1.0)
@@ -170,7 +173,8 @@ def test_grpo_overlong_penalty_enters_the_advantage():
 def test_dapo_is_grpo_with_dapo_s_defaults():
     dapo = algos.get("dapo")
     cfg = dapo.Config()
-    assert (cfg.clip_eps, cfg.clip_eps_high, cfg.token_mean, cfg.overlong_buffer_frac) == (0.2, 0.28, True, 0.2)
+    assert (cfg.clip_eps, cfg.clip_eps_high, cfg.token_mean, cfg.overlong_buffer_frac) \
+        == (0.2, 0.28, True, 0.2)
     loss, grad, metrics = run(dapo, make_mb(REWARDS))
     want, want_grad, _ = run(algos.get("grpo"), make_mb(REWARDS), clip_eps_high=0.28, token_mean=True,
                              overlong_buffer_frac=0.2)
@@ -199,8 +203,8 @@ def tb_reference(mb, beta, length_normalize=False, normalize=True):
 def test_tb_matches_reference_with_log_z_as_minus_mean_delta(length_normalize, normalize):
     mb = make_mb(REWARDS)
     want_loss, want_grad, log_z = tb_reference(mb, 0.5, length_normalize, normalize)
-    loss, grad, metrics = run(algos.get("tb"), mb, beta_start=0.5, beta_end=0.5, length_normalize=length_normalize,
-                              normalize=normalize)
+    loss, grad, metrics = run(algos.get("tb"), mb, beta_start=0.5, beta_end=0.5,
+                              length_normalize=length_normalize, normalize=normalize)
     assert_close(loss, grad, want_loss, want_grad)
     assert metrics["tb/log_z"] == pytest.approx(sum(log_z) / len(log_z))
     assert metrics["tb/beta"] == 0.5
@@ -331,20 +335,23 @@ def test_online_dpo_picks_best_and_worst_and_skips_ties(loss_type):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_online_dpo_on_each_group_s_pair_alone_is_the_same_loss_and_gradient(loss_type):
-    """pack_pairs: the learner gets each group as its chosen and rejected completions (online_dpo.pair); the loss,
-    its metrics and the gradient of those completions are the full group's, and the others had none."""
+    """pack_pairs: the learner gets each group as its chosen and rejected completions (online_dpo.pair); the
+    loss, its metrics and the gradient of those completions are the full group's, and the others had none."""
     from algos.online_dpo import pair
     from buffer.ring import Group
 
     rewards = [0.5, 1.0, 0.0, 0.3, 0.3, 0.3, 0.2, -1.0, 1.0]  # group 1 ties; group 2's best is its last
     groups = [Group(prompt_ids=torch.tensor([5]), completion_ids=torch.arange(g * K, g * K + K)[:, None],
                     completion_lens=torch.ones(K, dtype=torch.long), logprobs=torch.zeros(K, 1),
-                    versions=torch.zeros(K, 1, dtype=torch.long), rewards=torch.tensor(rewards[g * K:g * K + K]),
+                    versions=torch.zeros(K, 1, dtype=torch.long),
+                    rewards=torch.tensor(rewards[g * K:g * K + K]),
                     truncated=torch.zeros(K, dtype=torch.bool), prompt_index=g, group_id=g, worker_id=0)
               for g in range(3)]
-    rows_kept = [int(i) for g in groups for i in pair(g).completion_ids[:, 0]]  # the completions' ids: their rows
+    # the completions' ids: their rows
+    rows_kept = [int(i) for g in groups for i in pair(g).completion_ids[:, 0]]
     assert rows_kept == [1, 2, 3, 3, 8, 7]
-    assert [float(r) for g in groups for r in pair(g).rewards] == pytest.approx([1.0, 0.0, 0.3, 0.3, 1.0, -1.0])
+    assert [float(r) for g in groups for r in pair(g).rewards] \
+        == pytest.approx([1.0, 0.0, 0.3, 0.3, 1.0, -1.0])
 
     full = make_mb(rewards)
     want_loss, want_grad, want_metrics = run(algos.get("online_dpo"), full, beta=0.2, loss_type=loss_type)
@@ -353,7 +360,8 @@ def test_online_dpo_on_each_group_s_pair_alone_is_the_same_loss_and_gradient(los
     paired = dataclasses.replace(full, logprobs=full.logprobs.detach()[idx].clone().requires_grad_(True),
                                  behav_logprobs=cut(full.behav_logprobs), mask=cut(full.mask),
                                  rewards=cut(full.rewards), ref_logprobs=cut(full.ref_logprobs),
-                                 prox_logprobs=cut(full.prox_logprobs), group_size=2, batch_sequences=2 * len(groups))
+                                 prox_logprobs=cut(full.prox_logprobs), group_size=2,
+                                 batch_sequences=2 * len(groups))
     loss, grad, metrics = run(algos.get("online_dpo"), paired, beta=0.2, loss_type=loss_type)
     assert loss == pytest.approx(want_loss, rel=1e-12) and metrics == pytest.approx(want_metrics, rel=1e-12)
     for row, i in enumerate(rows_kept):
@@ -382,7 +390,8 @@ def test_online_dpo_all_tied_gives_zero_loss_with_a_graph():
 # ---- off-policy corrections (algos.PGConfig) ----
 
 def correction_reference(mb, kind, cap=2.0, low=0.5, high=2.0):
-    """c_it per token, from plain Python: TIS min(w, C); MIS w in [low, high] else 0, per token or per sequence."""
+    """c_it per token, from plain Python: TIS min(w, C); MIS w in [low, high] else 0, per token or per
+    sequence."""
     prox, bh = rows(mb, "prox_logprobs"), rows(mb, "behav_logprobs")
     c = [[0.0] * T for _ in range(len(prox))]
     for i in range(len(prox)):
@@ -394,7 +403,8 @@ def correction_reference(mb, kind, cap=2.0, low=0.5, high=2.0):
 
 
 def off_policy_mb():
-    """Weights w = pi_prox/pi_behav inside and outside [0.5, 2]: one token at 3, one at 0.3, a sequence at 2.5."""
+    """Weights w = pi_prox/pi_behav inside and outside [0.5, 2]: one token at 3, one at 0.3, a sequence
+    at 2.5."""
     mb = make_mb(REWARDS)
     with torch.no_grad():
         mb.prox_logprobs[0, 0] = mb.behav_logprobs[0, 0] + math.log(3.0)
@@ -430,7 +440,8 @@ def test_correction_weights_match_reference(kind):
     if kind == "tis":
         truncated = sum(math.exp(rows(mb, "prox_logprobs")[i][t] - rows(mb, "behav_logprobs")[i][t]) > 2.0
                         for i, t in valid)
-        assert truncated >= 4 and metrics["correction/truncated_frac"] == pytest.approx(truncated / len(valid))
+        assert truncated >= 4 \
+            and metrics["correction/truncated_frac"] == pytest.approx(truncated / len(valid))
     else:
         dropped = sum(want[i][t] == 0.0 for i, t in valid)
         assert dropped >= 1 and metrics["correction/masked_frac"] == pytest.approx(dropped / len(valid))
@@ -444,7 +455,8 @@ def test_grpo_with_correction_clips_against_proximal_and_weights_tokens(kind):
     c = correction_reference(mb, kind)
     want_loss, want_grad = clipped_against_proximal(mb, c, lambda i: LENGTHS[i] * len(mb.rewards))
     grpo = algos.get("grpo")
-    assert grpo.Loss(grpo.Config(correction=kind)).needs_proximal and not grpo.Loss(grpo.Config()).needs_proximal
+    assert grpo.Loss(grpo.Config(correction=kind)).needs_proximal \
+        and not grpo.Loss(grpo.Config()).needs_proximal
     loss, grad, _ = run(grpo, mb, correction=kind)
     assert_close(loss, grad, want_loss, want_grad)
 
@@ -487,7 +499,8 @@ def test_clip_fraction_counts_only_the_tokens_the_clip_cuts(name):
     lp, bh = rows(mb, "logprobs"), rows(mb, "behav_logprobs")
     old = bh if name == "grpo" else rows(mb, "prox_logprobs")
     adv = group_adv(REWARDS, scale=True)
-    tokens = [(math.exp(lp[i][t] - old[i][t]), adv[i], i, t) for i in range(len(lp)) for t in range(LENGTHS[i])]
+    tokens = [(math.exp(lp[i][t] - old[i][t]), adv[i], i, t)
+              for i in range(len(lp)) for t in range(LENGTHS[i])]
     _, grad, metrics = run(algos.get(name), mb, **({"behav_weight_cap": 100.0} if name == "ppo" else {}))
     low = [(i, t) for rho, a, i, t in tokens if rho < 0.8 and a < 0]
     high = [(i, t) for rho, a, i, t in tokens if rho > 1.2 and a > 0]
@@ -555,8 +568,8 @@ def test_every_rule_stays_finite_with_log_ratios_of_100(name, sign):
         mb.prox_logprobs[pad] = mb.behav_logprobs[pad] - sign * 100
         mb.ref_logprobs[pad] = mb.behav_logprobs[pad] - sign * 100
     module = algos.get(name)
-    for cfg in ({}, {"correction": "tis"}) if "correction" in {f.name for f in dataclasses.fields(module.Config)} \
-            else ({},):
+    for cfg in ({}, {"correction": "tis"}) \
+            if "correction" in {f.name for f in dataclasses.fields(module.Config)} else ({},):
         mb.logprobs.grad = None
         loss_fn = module.Loss(module.Config(**cfg))
         loss, metrics = loss_fn(mb)
@@ -584,13 +597,15 @@ def test_config_check_names_the_bad_key(name, key, value):
 
 
 def test_standard_ppo_refuses_a_correction():
-    with pytest.raises(ValueError, match=r"'algo.correction' must be none .*set algo.decoupled=true \(got 'tis'\)"):
+    with pytest.raises(ValueError,
+                       match=r"'algo.correction' must be none .*set algo.decoupled=true \(got 'tis'\)"):
         algos.get("ppo").Config(decoupled=False, correction="tis").check()
 
 
 @pytest.mark.parametrize("name", algos.names())
 def test_registry_module_has_a_named_config_and_a_loss(name):
-    """Each rule's Config is its schema (its preset conf/algo/<name>.yaml only pulls it in: tests/test_config.py)."""
+    """Each rule's Config is its schema (its preset conf/algo/<name>.yaml only pulls it in:
+    tests/test_config.py)."""
     module = algos.get(name)
     assert hasattr(module, "Config") and hasattr(module, "Loss")
     fields = dataclasses.fields(module.Config)

@@ -16,8 +16,9 @@ def _groups(lens: list[list[int]], prompts: list[int], seed: int = 0, vocab: int
     out = []
     for index, (n, p) in enumerate(zip(lens, prompts)):
         k, longest = len(n), max(n)
-        out.append(Group(torch.randint(3, vocab, (p,), generator=g), torch.randint(3, vocab, (k, longest), generator=g),
-                         torch.tensor(n), torch.zeros(k, longest), torch.zeros(k, longest, dtype=torch.long),
+        out.append(Group(torch.randint(3, vocab, (p,), generator=g),
+                         torch.randint(3, vocab, (k, longest), generator=g), torch.tensor(n),
+                         torch.zeros(k, longest), torch.zeros(k, longest, dtype=torch.long),
                          torch.rand(k, generator=g), torch.zeros(k, dtype=torch.bool), index, index, 0))
     return out
 
@@ -48,7 +49,8 @@ def test_per_segment_attention_and_masked_matmuls_give_sdpa_s_logprobs_and_gradi
     monkeypatch.setattr(attention, "MATMUL_ROW", 0)
     dense, dense_grads = _logprobs_and_grads(policy, batch)
     used = []
-    monkeypatch.setattr(attention, "_masked_matmuls", lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
+    monkeypatch.setattr(attention, "_masked_matmuls",
+                        lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
     monkeypatch.setattr(attention, "MATMUL_ROW", 10**9)  # every row below it: the dense mask, as two matmuls
     monkeypatch.setattr(attention, "MATMUL_DTYPES", (torch.float32,))  # the tiny models' float32 too
     matmuls, matmul_grads = _logprobs_and_grads(policy, batch)
@@ -80,7 +82,8 @@ def test_the_layout_by_row_length_and_device():
 
 def test_a_bf16_step_s_short_rows_take_the_masked_matmuls_and_a_float32_one_sdpa(monkeypatch):
     used = []
-    monkeypatch.setattr(attention, "_masked_matmuls", lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
+    monkeypatch.setattr(attention, "_masked_matmuls",
+                        lambda *a, f=attention._masked_matmuls: used.append(1) or f(*a))
     policy = TokenLogprobs(tiny_model("llama3"))
     short = pack(_groups([[3, 4], [5, 1]], prompts=[4, 4]))
     args = short.input_ids, short.position_ids, short.segments, short.gather, short.targets, 1.0
@@ -98,7 +101,8 @@ def test_masked_matmuls_take_an_additive_mask_and_grouped_heads_as_sdpa_does():
     allowed |= torch.eye(7, dtype=torch.bool)
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, -1e9)
     want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(3, 1),
-                                                            value.repeat_interleave(3, 1), attn_mask=allowed, scale=0.3)
+                                                            value.repeat_interleave(3, 1), attn_mask=allowed,
+                                                            scale=0.3)
     for mask in (allowed, additive):
         torch.testing.assert_close(attention._masked_matmuls(query, key, value, mask, 0.3), want)
     per_head = torch.rand(2, 6, 7, 7, generator=g) > 0.4  # a mask of its own for each query head
@@ -119,7 +123,8 @@ def test_short_rows_keep_the_dense_mask_and_eager_models_keep_their_attention(mo
     eager = tiny_model("llama3", attn_implementation="eager")
     assert not TokenLogprobs(eager).segment_attention and eager.config._attn_implementation == "eager"
     monkeypatch.setattr(attention, "MIN_ROW", 1)
-    a = TokenLogprobs(eager)(short.input_ids, short.position_ids, short.segments, short.gather, short.targets, 1.0)
+    a = TokenLogprobs(eager)(short.input_ids, short.position_ids, short.segments, short.gather,
+                             short.targets, 1.0)
     assert not used and torch.isfinite(a).all()  # no layout handed to a model that would not use it
 
 
@@ -134,8 +139,8 @@ def test_the_checkpoint_s_config_keeps_the_model_s_own_attention(tmp_path):
 
 
 def test_a_switched_model_still_masks_as_sdpa_for_callers_without_a_4d_mask():
-    """Two sequences back to back in one row, told apart by positions that restart: the mask HF builds from them
-    must keep the second from seeing the first, as under SDPA."""
+    """Two sequences back to back in one row, told apart by positions that restart: the mask HF builds from
+    them must keep the second from seeing the first, as under SDPA."""
     sdpa, switched = tiny_model("llama3"), tiny_model("llama3")
     assert TokenLogprobs(switched).segment_attention
     ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -149,7 +154,8 @@ def test_a_switched_model_still_masks_as_sdpa_for_callers_without_a_4d_mask():
 
 
 def test_per_segment_attention_under_activation_checkpointing_gives_the_dense_gradients(monkeypatch):
-    """GSM8K's preset: each decoder layer recomputed in the backward, with the layout handed down as a keyword."""
+    """GSM8K's preset: each decoder layer recomputed in the backward, with the layout handed down as a
+    keyword."""
     from trainer.policy import checkpoint_layers
 
     policy = TokenLogprobs(tiny_model("qwen3"))
@@ -159,10 +165,11 @@ def test_per_segment_attention_under_activation_checkpointing_gives_the_dense_gr
     dense, dense_grads = _logprobs_and_grads(policy, batch)
     used = []
     monkeypatch.setattr(attention, "MIN_ROW", 1)
-    monkeypatch.setattr(attention, "sdpa", lambda *a, sdpa=attention.sdpa, **k: used.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(attention, "sdpa",
+                        lambda *a, sdpa=attention.sdpa, **k: used.append(1) or sdpa(*a, **k))
     spans, span_grads = _logprobs_and_grads(policy, batch)
-    # inside the layers, in the forward and again in the backward's recompute: (1 prompt + 3 completions) x 2 rows
-    # x 2 layers x 2
+    # inside the layers, in the forward and again in the backward's recompute: (1 prompt + 3 completions) x 2
+    # rows x 2 layers x 2
     assert len(used) == 4 * 2 * 2 * 2
     torch.testing.assert_close(spans[batch.mask.bool()], dense[batch.mask.bool()], atol=2e-5, rtol=1e-5)
     for name, grad in dense_grads.items():
@@ -181,8 +188,8 @@ def test_the_prompts_common_prefix_is_kept_once_in_the_shortest_row():
     batch = pack(_sharing(_groups([[4, 1, 6], [2, 2, 3], [5, 5, 5]], prompts=[9, 7, 8]), 5))
     used = (batch.segments != PAD).sum(1)
     assert used.tolist() == [20, 14, 23] and batch.segments.shape[1] == 23
-    ids, positions, segments, gather, shared = hoist_prefix(batch.input_ids, batch.position_ids, batch.segments,
-                                                            batch.gather)
+    ids, positions, segments, gather, shared = hoist_prefix(batch.input_ids, batch.position_ids,
+                                                            batch.segments, batch.gather)
     assert shared == SharedPrefix(length=5, row=1)  # the shortest row keeps it
     assert segments.shape == ids.shape == positions.shape == (3, 18)  # the longest row less the prefix
     for row, shift in enumerate((5, 0, 5)):
@@ -191,7 +198,8 @@ def test_the_prompts_common_prefix_is_kept_once_in_the_shortest_row():
         assert positions[row, :n].tolist() == batch.position_ids[row, shift:shift + n].tolist()  # unchanged
         assert segments[row, :n].tolist() == batch.segments[row, shift:shift + n].tolist()
         assert (segments[row, n:] == PAD).all() and (ids[row, n:] == 0).all()
-    real = batch.mask.view(3, -1).bool()  # every position the head reads is the token it read before, at its place
+    # every position the head reads is the token it read before, at its place
+    real = batch.mask.view(3, -1).bool()
     for new, old in ((ids, batch.input_ids), (positions, batch.position_ids)):
         assert torch.equal(new.gather(1, gather)[real], old.gather(1, batch.gather)[real])
 
@@ -206,13 +214,15 @@ def test_rows_are_left_as_they_are_where_hoisting_would_not_shorten_them():
     assert hoisted(_sharing(_groups([[4, 1], [1, 4]], prompts=[9, 9]), 5)) is None  # rows of one length
     same = _groups([[4, 1], [2, 2]], prompts=[6, 6])
     same[1].prompt_ids = same[0].prompt_ids.clone()
-    # the whole prompt in common: each row keeps its last prompt token, whose output predicts its first completion token
+    # the whole prompt in common: each row keeps its last prompt token, whose output predicts its first
+    # completion token
     assert hoisted(same)[4] == SharedPrefix(length=5, row=1)
 
 
 def _embedded_shapes(policy) -> list:
     shapes = []
-    policy.lm.get_input_embeddings().register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape))
+    policy.lm.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: shapes.append(args[0].shape))
     return shapes
 
 
@@ -228,7 +238,8 @@ def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_rows_that_each_hold
         monkeypatch.setattr(attention, name, value)
     policy = TokenLogprobs(tiny_model(kind))
     shapes = _embedded_shapes(policy)
-    batch = pack(_sharing(_groups([[40, 1, 17, 33], [5, 60, 2, 9], [21, 21, 21, 21]], prompts=[23, 7, 9], seed=1), 6))
+    batch = pack(_sharing(_groups([[40, 1, 17, 33], [5, 60, 2, 9], [21, 21, 21, 21]],
+                                  prompts=[23, 7, 9], seed=1), 6))
     policy.share_prefix = False
     whole, whole_grads = _logprobs_and_grads(policy, batch)
     policy.share_prefix = True

@@ -28,7 +28,8 @@ def test_a_run_is_read_into_its_peak_split_and_step_time(tmp_path):
         {"status": "completed", "peak_memory_mb": 7000, "peak_memory_by_process_mb": {"trainer0": 5000}}))
     got = memory.read(str(tmp_path))
     assert got == {"peak": 7000, "parts": {"trainer0": 5000}, "s_per_step": 10.0, "completion_len": 200.0}
-    assert memory.parse_vary(["short=rollout.max_new_tokens=256"]) == {"short": ["rollout.max_new_tokens=256"]}
+    assert memory.parse_vary(["short=rollout.max_new_tokens=256"]) \
+        == {"short": ["rollout.max_new_tokens=256"]}
     with pytest.raises(SystemExit, match="--vary"):
         memory.parse_vary(["before=x=1"])
     assert os.path.basename(memory.ROOT) != "bench"

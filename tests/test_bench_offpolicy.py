@@ -1,4 +1,5 @@
-"""bench/offpolicy.py's reading of runs: training clock without evaluation, seeds' spread, one table row per point."""
+"""bench/offpolicy.py's reading of runs: training clock without evaluation, seeds' spread, one table row per
+point."""
 import json
 import os
 
@@ -12,7 +13,8 @@ def _run(path, rewards, eval_s=5.0, seed_shift=0.0):
     rows = []
     for i, r in enumerate(rewards, 1):
         row = {"step": i, "time_s": 10.0 * i + (eval_s if i >= 2 else 0.0), "reward_mean": r + seed_shift,
-               "staleness_mean": 1.0, "staleness/dropped_groups": 1, "policy/entropy": 2.0, "offpolicy/ess": 0.9}
+               "staleness_mean": 1.0, "staleness/dropped_groups": 1, "policy/entropy": 2.0,
+               "offpolicy/ess": 0.9}
         if i == 2:
             row.update({"perf/eval_s": eval_s, "eval_pass@1": 0.5 + seed_shift})
         rows.append(row)
@@ -47,12 +49,16 @@ def _runs(*values):
 
 def test_claims_are_judged_against_the_seeds_spread():
     results = {("ppo", 0): _runs(0.9, 0.9, 0.9), ("ppo", 8): _runs(0.80, 0.78, 0.82),
-               ("ppo_naive", 8): _runs(0.40, 0.45, 0.42),  # decoupled beats naive by far more than the spreads
-               ("online_dpo", 0): _runs(0.90, 0.92, 0.91), ("online_dpo", 8): _runs(0.60, 0.62, 0.61),  # drops
-               ("tb", 0): _runs(0.5, 0.9, 0.7), ("tb", 8): _runs(0.6, 0.7, 0.8)}  # within a wide spread
+               # decoupled beats naive by far more than the spreads
+               ("ppo_naive", 8): _runs(0.40, 0.45, 0.42),
+               # drops
+               ("online_dpo", 0): _runs(0.90, 0.92, 0.91), ("online_dpo", 8): _runs(0.60, 0.62, 0.61),
+               # within a wide spread
+               ("tb", 0): _runs(0.5, 0.9, 0.7), ("tb", 8): _runs(0.6, 0.7, 0.8)}
     lines = offpolicy.claims(results)
     assert [line.split(": ")[0] for line in lines] == ["AReaL", "Asynchronous RLHF", "TBA"]
-    assert ": reproduced (" in lines[0] and ": not reproduced (" in lines[1] and ": not distinguishable (" in lines[2]
+    assert ": reproduced (" in lines[0] and ": not reproduced (" in lines[1] \
+        and ": not distinguishable (" in lines[2]
     results[("ppo_naive", 8)] = _runs(0.78, 0.80, 0.82)
     results[("tb", 0)], results[("tb", 8)] = _runs(0.72, 0.70, 0.71), _runs(0.68, 0.70, 0.72)  # no drop
     lines = offpolicy.claims(results)

@@ -1,4 +1,5 @@
-"""bench/time_to_reward.py's reading of runs: time to a 3-step mean reward, the table, the plot, the folders."""
+"""bench/time_to_reward.py's reading of runs: time to a 3-step mean reward, the table, the plot, the
+folders."""
 import json
 import os
 
@@ -23,14 +24,16 @@ def test_load_table_and_plot(tmp_path):
     assert (a[0.8], a[0.9], a["s_per_step"], a["pass@1"]) == (40.0, 50.0, 10.0, 0.75)
     assert b[0.8] is None
     text = ttr.table({"before": b, "tb_eta0": a})
-    assert "| tb_eta0 | 40 | 50 | 10.0 | 6.0 | 4.0 | 2.0 | 0.75 |" in text and "| before | never | never |" in text
+    assert "| tb_eta0 | 40 | 50 | 10.0 | 6.0 | 4.0 | 2.0 | 0.75 |" in text \
+        and "| before | never | never |" in text
     ttr.plot({"before": b, "tb_eta0": a}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
 def test_settings_name_the_folders_hydra_writes(tmp_path):
     sweep = ttr.settings(str(tmp_path), sweep=True)
-    assert sweep["grpo_lr5e-5"] == os.path.join(str(tmp_path), "sweep", "grpo_lr5e-05")  # ${train.lr} is 5e-05
+    # ${train.lr} is 5e-05
+    assert sweep["grpo_lr5e-5"] == os.path.join(str(tmp_path), "sweep", "grpo_lr5e-05")
     grid = ttr.settings(str(tmp_path), sweep=False)
     assert {"before", "tb_eta0", "grpo_eta1", "tb_eta1_slowgen"} <= set(grid)
 
@@ -46,7 +49,8 @@ def test_the_seeds_mode_reads_medians_ranges_and_the_first_steps_tax(tmp_path):
 
     flat = [0.5, 0.9, 0.9, 0.9, 0.9, 0.9]
     a = seed_run("a", [30, 40, 50, 60, 70, 80], flat)  # step 1 took 30 s, steady steps 10 s
-    assert (a["time"], a["steps"], a["step1_over_steady"]) == (60, 4, 3.0)  # (0.5 + 0.9 + 0.9) / 3 < 0.8 at step 3
+    # (0.5 + 0.9 + 0.9) / 3 < 0.8 at step 3
+    assert (a["time"], a["steps"], a["step1_over_steady"]) == (60, 4, 3.0)
     b = seed_run("b", [10, 20, 30, 40, 50, 60], [0.1] * 6)  # never reaches 0.8
     c = seed_run("c", [10, 20, 30, 40, 50, 60], flat)
     text, figures = ttr.seeds_table({"now": [a, b, c], "baseline": [b, b, c]})
@@ -62,14 +66,17 @@ def test_the_steady_step_is_one_that_trained_as_many_groups_as_step_1():
     tied = [0, 0, 0, 3, 3, 0, 3, 0, 3]
     steps = [3.0, 3.2, 3.1, 1.0, 1.1, 3.4, 1.0, 3.0, 1.2]
     rows = [{"train/tied_groups_skipped": t} for t in tied]
-    assert ttr.steady_step(rows, steps) == 3.2  # the median of steps 6 and 8 (3.4, 3.0), not of all six from step 4
+    # the median of steps 6 and 8 (3.4, 3.0), not of all six from step 4
+    assert ttr.steady_step(rows, steps) == 3.2
     rows[0]["train/tied_groups_skipped"] = 2  # no later step like step 1: all of steps 4 on
     assert ttr.steady_step(rows, steps) == 1.15
-    assert ttr.steady_step([{}] * 5, [5.0, 2.0, 2.0, 1.0, 3.0]) == 2.0  # runs from before the metric: steps 4 on
+    # runs from before the metric: steps 4 on
+    assert ttr.steady_step([{}] * 5, [5.0, 2.0, 2.0, 1.0, 3.0]) == 2.0
 
 
 def test_vary_needs_a_name_and_overrides():
-    assert ttr.parse_vary(["lr4=train.lr=4e-5 train.grad_clip=1"]) == {"lr4": ["train.lr=4e-5", "train.grad_clip=1"]}
+    assert ttr.parse_vary(["lr4=train.lr=4e-5 train.grad_clip=1"]) \
+        == {"lr4": ["train.lr=4e-5", "train.grad_clip=1"]}
     for bad in (["train.lr"], ["now=train.lr=1"], ["x=a=1", "x=b=2"]):
         with pytest.raises(SystemExit, match="--vary"):
             ttr.parse_vary(bad)

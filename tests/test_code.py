@@ -77,7 +77,8 @@ def test_right_and_wrong_programs_in_both_shapes(reward):
 def test_fraction_mode_scores_the_share_of_cases_passed(sandbox):
     fraction = _code_reward(reward_mode="fraction", timeout_s=2.0, program_timeout_s=6.0)
     half = "def sign(x):\n    return 1 if x > 0 else 0"
-    tests = asserts("assert sign(5) == 1", "assert sign(-5) == -1", "assert sign(7) == 1", "assert sign(-1) == -1")
+    tests = asserts("assert sign(5) == 1", "assert sign(-5) == -1", "assert sign(7) == 1",
+                    "assert sign(-1) == -1")
     assert fraction(reply(half), tests) == 0.5
     assert _code_reward(timeout_s=2.0)(reply(half), tests) == 0.0
     doubled = "print(2 * int(input()))"
@@ -112,12 +113,13 @@ def _secret_home_file():
 
 
 HOSTILE = {
-    "infinite loop": ("def add(a, b):\n    while True:\n        pass", asserts("assert add(1, 2) == 3"), "time"),
+    "infinite loop": ("def add(a, b):\n    while True:\n        pass", asserts("assert add(1, 2) == 3"),
+                      "time"),
     "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
                   asserts("assert add(1, 2) == 3"), "time"),
     "50 GB allocation": ("big = bytearray(50 * 2**30)\n" + ADD, asserts("assert add(1, 2) == 3"), "memory"),
-    "10 GB file": ("f = open('/tmp/big', 'wb')\nfor _ in range(10 * 1024):\n    f.write(bytes(2**20))\n" + ADD,
-                   asserts("assert add(1, 2) == 3"), None),
+    "10 GB file": ("f = open('/tmp/big', 'wb')\nfor _ in range(10 * 1024):\n"
+                   "    f.write(bytes(2**20))\n" + ADD, asserts("assert add(1, 2) == 3"), None),
     "many files": ("for i in range(10**6):\n    open(f'/tmp/f{i}', 'wb').write(bytes(2**20))\n" + ADD,
                    asserts("assert add(1, 2) == 3"), None),
     "prints forever": ("while True:\n    print('spam' * 1000)", stdio([""], ["3"]), "output"),
@@ -130,7 +132,8 @@ HOSTILE = {
     "always-equal int": ("class Int(int):\n    def __eq__(self, other):\n        return True\n"
                          "def add(a, b):\n    return Int(0)", asserts("assert add(1, 2) == 3"), None),
     "always-equal in a list": ("class Any:\n    def __eq__(self, other):\n        return True\n"
-                               "def pair(a):\n    return [Any(), Any()]", asserts("assert pair(1) == [1, 2]"), None),
+                               "def pair(a):\n    return [Any(), Any()]", asserts("assert pair(1) == [1, 2]"),
+                               None),
     "truthy object": ("class Yes:\n    def __bool__(self):\n        return True\n"
                       "def is_prime(n):\n    return Yes()", asserts("assert is_prime(7)"),
                       None),
@@ -142,11 +145,11 @@ HOSTILE = {
     "closes stdout and stderr": ("import os\nos.close(1)\nos.close(2)\ndef add(a, b):\n    return 0",
                                  asserts("assert add(1, 2) == 3"), None),
     "closes stdout before printing": ("import os\nos.close(1)\nprint(3)", stdio(["1 2"], ["3"]), None),
-    "closes every descriptor": ("import os\nos.closerange(0, 256)\nos._exit(0)", asserts("assert add(1, 2) == 3"),
-                                None),
+    "closes every descriptor": ("import os\nos.closerange(0, 256)\nos._exit(0)",
+                                asserts("assert add(1, 2) == 3"), None),
     "kills its parent and everyone": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
-                                      "os.kill(-1, signal.SIGKILL)\nos._exit(0)", asserts("assert add(1, 2) == 3"),
-                                      None),
+                                      "os.kill(-1, signal.SIGKILL)\nos._exit(0)",
+                                      asserts("assert add(1, 2) == 3"), None),
 }
 
 
@@ -173,12 +176,12 @@ def test_hostile_program_scores_zero_and_leaves_nothing(pool, name):
     assert pool.score([reply(ADD)], [asserts("assert add(1, 2) == 3")]) == [1.0]
 
 
-@pytest.mark.parametrize("name", ["exits before the asserts", "_exit before the asserts", "always-equal object",
-                                  "always-equal int", "always-equal in a list", "truthy object", "patched builtin",
-                                  "patched Counter"])
+@pytest.mark.parametrize("name", ["exits before the asserts", "_exit before the asserts",
+                                  "always-equal object", "always-equal int", "always-equal in a list",
+                                  "truthy object", "patched builtin", "patched Counter"])
 def test_those_hacks_pass_a_naive_harness(name, tmp_path):
-    """What the marker and the value checks are for: run as program + asserts, judged by the exit code, each of
-    these would count as a pass."""
+    """What the marker and the value checks are for: run as program + asserts, judged by the exit code, each
+    of these would count as a pass."""
     import subprocess
     import sys
 
@@ -192,7 +195,8 @@ def test_no_network(pool):
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     threading.Thread(target=lambda: server.accept()[0].sendall(b"42"), daemon=True).start()
-    program = (f"import socket\ndef answer():\n    return int(socket.create_connection(('127.0.0.1', {port}), "
+    program = ("import socket\ndef answer():\n"
+               f"    return int(socket.create_connection(('127.0.0.1', {port}), "
                "timeout=1).recv(2))")
     try:
         assert pool.score([reply(program)], [asserts("assert answer() == 42")]) == [0.0]
@@ -215,8 +219,9 @@ def test_no_view_of_the_repository_the_home_directory_or_other_processes(pool):
             "home": (f"def peek():\n    return open({secret!r}).read()", "assert peek() == 'home-secret'"),
             "host /proc": (f"def peek():\n    return open('/proc/{os.getpid()}/cmdline', 'rb').read()",
                            f"assert peek() == {open(f'/proc/{os.getpid()}/cmdline', 'rb').read()!r}"),
-            "any pytest process": ("import os\ndef peek():\n    found = False\n    for p in os.listdir('/proc'):\n"
-                                   "        try:\n            found |= b'pytest' in open(f'/proc/{p}/cmdline', 'rb')"
+            "any pytest process": ("import os\ndef peek():\n    found = False\n"
+                                   "    for p in os.listdir('/proc'):\n        try:\n"
+                                   "            found |= b'pytest' in open(f'/proc/{p}/cmdline', 'rb')"
                                    ".read()\n        except OSError:\n            pass\n    return found",
                                    "assert peek() == True"),
         }
@@ -232,7 +237,8 @@ def test_no_view_of_the_repository_the_home_directory_or_other_processes(pool):
 
 def test_no_writing_into_the_repository(pool):
     target = os.path.join(ROOT, f"escaped-{secrets.token_hex(4)}.txt")
-    program = (f"try:\n    open({target!r}, 'w').write('x')\n    wrote = True\nexcept OSError:\n    wrote = False\n"
+    program = (f"try:\n    open({target!r}, 'w').write('x')\n    wrote = True\n"
+               "except OSError:\n    wrote = False\n"
                "def escaped():\n    return wrote")
     assert pool.score([reply(program)], [asserts("assert escaped() == True")]) == [0.0]
     assert not os.path.exists(target)
@@ -247,7 +253,8 @@ def test_expected_outputs_never_enter_the_sandbox(pool):
         "'expected-')), '')\n    except OSError:\n        pass\n"
         "for root, dirs, files in os.walk('/'):\n"
         "    dirs[:] = [d for d in dirs if root != '/' or d in ('tmp', 'proc')]\n"
-        "    for name in files[:50]:\n        try:\n            text = open(os.path.join(root, name), errors='ignore')"
+        "    for name in files[:50]:\n        try:\n"
+        "            text = open(os.path.join(root, name), errors='ignore')"
         ".read(1 << 16)\n        except OSError:\n            continue\n        if 'expected-' in text:\n"
         "            found = found or text[text.index('expected-'):][:25]\n"
         "found = found or os.environ.get('EXPECTED', '') or ' '.join(sys.argv)\nprint(found)")
@@ -256,7 +263,8 @@ def test_expected_outputs_never_enter_the_sandbox(pool):
 
 def test_a_setsid_child_does_not_outlive_its_program(pool):
     tag = f"{61 + secrets.randbelow(1000) / 1000:.3f}"
-    program = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{tag}'])\n"
+    program = ("import os\nif os.fork() == 0:\n    os.setsid()\n"
+               f"    os.execv('/bin/sleep', ['sleep', '{tag}'])\n"
                "import time\ntime.sleep(0.5)\ndef add(a, b):\n    return 0")
     assert pool.score([reply(program)], [asserts("assert add(1, 2) == 3")]) == [0.0]
 
@@ -286,18 +294,22 @@ def test_missing_bubblewrap_is_a_one_line_error(monkeypatch):
 # The loader: every dataset shape becomes a prompt and a reference the reward scores.
 
 SHAPES = {
-    "mbpp full": ({"text": "Add two numbers.", "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+    "mbpp full": ({"text": "Add two numbers.",
+                   "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
                    "test_setup_code": ""}, ADD, "assert add(1, 2) == 3"),
     "mbpp sanitized": ({"prompt": "Area of a circle.", "test_list": ["assert math.isclose(area(1), math.pi)"],
-                        "test_imports": ["import math"]}, "import math\ndef area(r):\n    return math.pi * r * r",
-                       "area(1)"),
-    "humaneval": ({"prompt": "from typing import List\n\ndef total(xs: List[int]) -> int:\n    \"\"\"Sum.\"\"\"\n",
-                   "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
+                        "test_imports": ["import math"]},
+                       "import math\ndef area(r):\n    return math.pi * r * r", "area(1)"),
+    "humaneval": ({"prompt": "from typing import List\n\ndef total(xs: List[int]) -> int:\n"
+                             "    \"\"\"Sum.\"\"\"\n",
+                   "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n"
+                           "    assert candidate([]) == 0\n",
                    "entry_point": "total"}, "def total(xs: List[int]) -> int:\n    return sum(xs)",
                   "def total(xs: List[int]) -> int:"),
     "apps stdin": ({"question": "Sum the numbers.", "input_output": json.dumps(
         {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})}, SUM_STDIN, "standard input"),
-    "taco lines": ({"question": "Sum the numbers.", "input_output": {"inputs": [["1", "2"]], "outputs": [["3"]]}},
+    "taco lines": ({"question": "Sum the numbers.",
+                    "input_output": {"inputs": [["1", "2"]], "outputs": [["3"]]}},
                    SUM_STDIN, "standard input"),
     "apps call-based": ({"question": "Add.", "starter_code": "def add(a, b):", "input_output": json.dumps(
         {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], 4]})}, ADD, "`add`"),
@@ -347,7 +359,8 @@ def test_reward_options_reach_the_reward():
 # The task in a real run.
 
 PROBLEMS = [
-    {"text": f"Write a function add_{i} that adds {i} to a number.", "test_list": [f"assert add_{i}(1) == {i + 1}"]}
+    {"text": f"Write a function add_{i} that adds {i} to a number.",
+     "test_list": [f"assert add_{i}(1) == {i + 1}"]}
     for i in range(6)
 ] + [{"question": f"Print {i} times the input number.", "inputs": ["2\n"], "outputs": [f"{2 * i}\n"]}
      for i in range(4)]
@@ -357,14 +370,15 @@ def test_a_run_on_a_local_file_trains_and_writes_pass_at_1(sandbox, tiny_model_d
     data = tmp_path / "code.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in PROBLEMS) + "\n")
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=code", f"task.path={data}", "task.test_size=3",
-                       "steps=2", *TINY)
+    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=code", f"task.path={data}",
+                       "task.test_size=3", "steps=2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["eval_examples"] == 3 and 0.0 <= rows[-1]["eval_pass@1"] <= 1.0
-    assert {"reward/sandbox_kills_time", "reward/sandbox_kills_memory", "reward/sandbox_kills_output"} <= set(rows[-1])
+    assert {"reward/sandbox_kills_time", "reward/sandbox_kills_memory", "reward/sandbox_kills_output"} \
+        <= set(rows[-1])
 
 
 def test_no_bubblewrap_stops_the_run_at_start_with_one_line(tmp_path):
@@ -380,7 +394,8 @@ def test_no_bubblewrap_stops_the_run_at_start_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and "apt-get install bubblewrap" in lines[0], result.stderr
-    assert not (tmp_path / "cache").exists()  # said before the embedded model's 20 s conversion, as on a new machine
+    # said before the embedded model's 20 s conversion, as on a new machine
+    assert not (tmp_path / "cache").exists()
     assert sys.executable  # the launcher itself needs no PATH
 
 
@@ -390,7 +405,8 @@ def test_the_reward_timeout_must_cover_the_sandbox():
     assert parse(compose(["task=code"])).reward.timeout_s == 20
     with pytest.raises(ValueError, match="'reward.timeout_s' must be >= 17 for task=code"):
         parse(compose(["task=code", "reward.timeout_s=5"]))
-    assert parse(compose(["task=code", "reward.timeout_s=5", "task.program_timeout_s=3"])).task.timeout_s == 3.0
+    assert parse(compose(["task=code", "reward.timeout_s=5",
+                          "task.program_timeout_s=3"])).task.timeout_s == 3.0
 
 
 def test_the_default_data_is_mbpp_sanitized_from_the_hub(sandbox, monkeypatch):
@@ -399,7 +415,8 @@ def test_the_default_data_is_mbpp_sanitized_from_the_hub(sandbox, monkeypatch):
 
     import tasks
     calls = []
-    rows = [{"prompt": f"Add {i}.", "test_list": [f"assert add_{i}(0) == {i}"], "test_imports": []} for i in range(9)]
+    rows = [{"prompt": f"Add {i}.", "test_list": [f"assert add_{i}(0) == {i}"], "test_imports": []}
+            for i in range(9)]
 
     def load_dataset(name, config):
         calls.append((name, config))

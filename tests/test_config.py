@@ -1,5 +1,6 @@
-"""The config: one schema (runtime/schema.py and each rule's and task's Config), presets that only change it, and
-one-line errors naming the key, checked here without starting a run (tests/test_train_e2e.py runs train.py)."""
+"""The config: one schema (runtime/schema.py and each rule's and task's Config), presets that only change it,
+and one-line errors naming the key, checked here without starting a run (tests/test_train_e2e.py runs
+train.py)."""
 import dataclasses
 import inspect
 import os
@@ -18,18 +19,21 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_datacla
 def _schema_classes():
     classes = [Config] + [f.default_factory for f in dataclasses.fields(Config)
                           if dataclasses.is_dataclass(f.default_factory)]
-    classes += [algos.get(name).Config for name in algos.names()] + [tasks.get(name).Config for name in tasks.names()]
+    classes += [algos.get(name).Config for name in algos.names()] \
+        + [tasks.get(name).Config for name in tasks.names()]
     return classes
 
 
 @pytest.mark.parametrize("cls", _schema_classes(), ids=lambda c: f"{c.__module__}.{c.__qualname__}")
 def test_every_schema_key_has_a_default_and_a_comment(cls):
     for f in dataclasses.fields(cls):
-        if f.name == "name" or dataclasses.is_dataclass(f.default_factory):  # an identity; a section (its own class)
+        # an identity; a section (its own class)
+        if f.name == "name" or dataclasses.is_dataclass(f.default_factory):
             continue
         assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING \
             or f.name in ("algo", "task"), f"{cls.__qualname__}.{f.name} has no default"
-        owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))  # inherited: its base
+        # inherited: its base
+        owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
         source = inspect.getsource(owner).splitlines()
         index = next(i for i, line in enumerate(source) if line.strip().startswith(f"{f.name}:"))
         commented = "#" in source[index] or source[index - 1].strip().startswith("#")
@@ -44,14 +48,15 @@ def _leaves(data, prefix=""):
             yield f"{prefix}{key}", value
 
 
-PRESETS = [(g, o) for g in GROUPS for o in options_of(g) if os.path.exists(os.path.join(CONF_DIR, g, f"{o}.yaml"))]
+PRESETS = [(g, o) for g in GROUPS for o in options_of(g)
+           if os.path.exists(os.path.join(CONF_DIR, g, f"{o}.yaml"))]
 
 
 @pytest.mark.parametrize("group, option", PRESETS)
 def test_a_preset_sets_only_what_differs_from_the_schema(group, option):
-    """conf/<group>/<option>.yaml: Hydra's _global_ package (one convention for every group), the schema of its
-    rule or task pulled in, no value that repeats the schema's default, and at least one value: a rule or task
-    that sets nothing else has no preset (`algo=<name>` selects its schema by itself)."""
+    """conf/<group>/<option>.yaml: Hydra's _global_ package (one convention for every group), the schema of
+    its rule or task pulled in, no value that repeats the schema's default, and at least one value: a rule or
+    task that sets nothing else has no preset (`algo=<name>` selects its schema by itself)."""
     path = os.path.join(CONF_DIR, group, f"{option}.yaml")
     with open(path) as f:
         assert f.readline().strip() == "# @package _global_", path
@@ -96,7 +101,8 @@ def test_presets_and_the_command_line_compose_in_order():
     cfg = parse(compose(["cluster=cpu2", "task=gsm8k", "algo=grpo", "algo.clip_eps_high=0.28",
                          "rollout.max_new_tokens=64"]))
     # gsm8k's preset checkpoints its long completions' activations
-    assert cfg.cluster == ClusterConfig(plan="cpu", trainer_ranks=2, oversubscribe=True, activation_checkpointing=True)
+    assert cfg.cluster == ClusterConfig(plan="cpu", trainer_ranks=2, oversubscribe=True,
+                                        activation_checkpointing=True)
     assert cfg.algo == algos.get("grpo").Config(clip_eps_high=0.28)
     assert cfg.task == tasks.get("gsm8k").Config()
     assert cfg.rollout == RolloutConfig(max_new_tokens=64)  # the command line beats the task's 512
@@ -109,8 +115,8 @@ TYPOS = [  # a typo in every section, and in the rule's and the task's own keys
     (["algo=grpo", "algo.clip_epz=0.2"], "unknown config key 'algo.clip_epz' for algo=grpo"),
     (["algo=nope"], "unknown algo 'nope'"),
     (["task=nope"], "unknown task 'nope'"),
-    (["train.lrr=1"], "unknown config key 'train.lrr', did you mean 'train.lr'? (known: adam_beta1, adam_beta2, "
-                      "adam_eps, autocast, batch_groups, compile,"),
+    (["train.lrr=1"], "unknown config key 'train.lrr', did you mean 'train.lr'? (known: adam_beta1, "
+                      "adam_beta2, adam_eps, autocast, batch_groups, compile,"),
     (["stepz=3"], "unknown config key 'stepz', did you mean 'steps'? (known: algo,"),
     (["task.max_operands=3"], "unknown config key 'task.max_operands' for task=arithmetic, did you mean "
                               "'task.max_operand'?"),
@@ -198,8 +204,8 @@ def test_a_saved_config_is_checked_like_a_composed_one():
     saved = OmegaConf.to_container(compose(["algo=ppo"]), resolve=True)
     assert parse(saved).algo == algos.get("ppo").Config()
     saved["train"]["lrr"] = 1.0
-    with pytest.raises(ValueError, match=r"^unknown config key 'train.lrr', did you mean 'train.lr'\? \(known: "
-                                         r"adam_beta1, adam_beta2, adam_eps, autocast,"):
+    with pytest.raises(ValueError, match=r"^unknown config key 'train.lrr', did you mean 'train.lr'\? "
+                                         r"\(known: adam_beta1, adam_beta2, adam_eps, autocast,"):
         parse(saved)
     saved["train"].pop("lrr")
     saved["train"]["lr"] = -1.0

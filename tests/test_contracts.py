@@ -51,7 +51,8 @@ def test_engine_contract(make, tiny_model_dir):
     engine = make(tiny_model_dir)
     assert isinstance(engine, Engine)
     stop_at = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(2,))
-    requests = [Request(i, [5 + i, 6, 7], stop_at if i % 2 else SamplingParams(0.0, 1.0, 4)) for i in range(5)]
+    requests = [Request(i, [5 + i, 6, 7], stop_at if i % 2 else SamplingParams(0.0, 1.0, 4))
+                for i in range(5)]
 
     engine.set_version(3)
     done = engine.generate(requests)
@@ -97,7 +98,8 @@ def test_weight_receipt_contract(name, tiny_model_dir):
     module, cls = SPECS[name]
     spec = getattr(importlib.import_module(module), cls)
     assert isinstance(engine.weight_tensors(), dict)
-    named = [(n, t.detach().clone()) for n, t in engine.weight_tensors().items()][:2] or [("w", torch.zeros(4))]
+    named = [(n, t.detach().clone()) for n, t in engine.weight_tensors().items()][:2] \
+        or [("w", torch.zeros(4))]
     payloads = spec.bucket_payloads if name == "cpu" else bytes_payloads
     buckets = plan_buckets([(n, t.shape, t.dtype) for n, t in named], 1 << 20)
     messages = []
@@ -138,7 +140,8 @@ def _gpu_weights(model_dir):
     from engines.weight_sync import GPUWeights
 
     engine = SGLangEngine(FakeBackend(), max_batch=256)
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bytes_payloads, "ipc", 1 << 16, torch.bfloat16)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], bytes_payloads, "ipc", 1 << 16,
+                      torch.bfloat16)
 
     def loaded():
         return {n: t.float() for names, _, _ in engine.backend.loaded for n, t in names.items()}
@@ -154,8 +157,8 @@ def _gpu_weights_into_builtin(model_dir):
     from engines.weight_sync import GPUWeights
 
     engine = _cpu_engine(model_dir)
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads, "ipc",
-                      1 << 16, torch.float32)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads,
+                      "ipc", 1 << 16, torch.float32)
     return path, engine, lambda: {n: t.float() for n, t in engine.weight_tensors().items()}
 
 
@@ -165,8 +168,8 @@ WEIGHT_PATHS = {"shared_memory": _weight_store, "gpu_buckets": _gpu_weights,
 
 @pytest.mark.parametrize("make", WEIGHT_PATHS.values(), ids=WEIGHT_PATHS.keys())
 def test_weight_path_contract(make, tiny_model_dir):
-    """publish(version) on the trainer side; the follower's sync() between steps then holds exactly those weights
-    under that version, in the engine's dtype. A non-lead rank's publish ships nothing."""
+    """publish(version) on the trainer side; the follower's sync() between steps then holds exactly those
+    weights under that version, in the engine's dtype. A non-lead rank's publish ships nothing."""
     path, engine, engine_weights = make(tiny_model_dir)
     assert isinstance(path, WeightPath)
     policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
@@ -191,7 +194,8 @@ def test_weight_path_contract(make, tiny_model_dir):
         assert torch.allclose(tensor, trained[name], atol=1e-2, rtol=1e-2), name  # bf16 on the GPU path
     assert not all(torch.allclose(tensor, trained[name] - 0.01, atol=1e-3) for name, tensor in got.items())
 
-    path.publisher(policy, False, StopFlag())(iter(trained.items()), 2)  # another rank's: walks, ships nothing
+    # another rank's: walks, ships nothing
+    path.publisher(policy, False, StopFlag())(iter(trained.items()), 2)
     assert sync() == [] and engine.version == 1
     if hasattr(path, "channel"):
         path.channel.close()
@@ -218,7 +222,8 @@ def test_placement_contract(placement, tiny_model_dir):
             expected = TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir))(*inputs)
         assert logprobs.shape == batch.targets.shape and logprobs.device.type == placement.device.type
         mask = batch.mask.bool()
-        assert torch.allclose(logprobs.float().cpu()[mask], expected[mask], atol=0.1)  # the GPU one computes in bf16
+        # the GPU one computes in bf16
+        assert torch.allclose(logprobs.float().cpu()[mask], expected[mask], atol=0.1)
         assert any(p.requires_grad for p in policy.parameters())
         assert not any(p.requires_grad for p in reference.parameters())
     finally:
@@ -267,8 +272,8 @@ class TableEngine:
         i, m = eval_slot(request.request_id, SPEC.eval.k)
         right = self.version >= 1 and (i % 3 == 0 if m == 0 else (i + m) % 2 == 0)
         ids = self.tokenizer.encode(self.test[i].answer if right else "no", add_special_tokens=False)
-        return Completion(request.request_id, request.prompt_ids, ids, [0.0] * len(ids), [self.version] * len(ids),
-                          "stop")
+        return Completion(request.request_id, request.prompt_ids, ids, [0.0] * len(ids),
+                          [self.version] * len(ids), "stop")
 
 
 class TableEngineSpec:
@@ -355,13 +360,14 @@ def test_evaluator_contract(make, tokenizer_dir):
     assert metrics["eval_pass@1"] == sum(i % 3 == 0 for i in range(n)) / n
     assert metrics["eval_pass@2"] == 1.0  # one of samples 1, 2 has (i + m) even
     assert metrics["eval_sample_reward"] == 0.5
-    examples = sorted(eval_slot(r, SPEC.eval.k)[0] for e in engines for r in e.requested if eval_slot(r, 2)[1] == 0)
+    examples = sorted(eval_slot(r, SPEC.eval.k)[0] for e in engines
+                      for r in e.requested if eval_slot(r, 2)[1] == 0)
     assert examples == list(range(n))
 
 
 def test_the_cpu_plan_s_evaluator_holds_an_engine_only_while_it_evaluates(tokenizer_dir):
-    """EngineEvaluator opens its engine for each evaluation and closes it after, so rank 0 holds no second copy of
-    the weights (nor their blocked copies, nor a KV cache) while it trains."""
+    """EngineEvaluator opens its engine for each evaluation and closes it after, so rank 0 holds no second
+    copy of the weights (nor their blocked copies, nor a KV cache) while it trains."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     task = tasks.get("arithmetic").build(tasks.get("arithmetic").Config(test_size=9), 0)
     engine, opened, held = TableEngine(tokenizer, task.test), [], []
@@ -390,7 +396,8 @@ def test_the_cpu_plan_s_evaluator_holds_an_engine_only_while_it_evaluates(tokeni
 # ---- Plan: launch/plan.py CPUPlan, launch/gpu.py GPUPlan ----
 
 PLANS = {"cpu": CPUPlan(rollout_workers=2, trainer_ranks=1, max_restarts=3, engine_kind="builtin"),
-         "gpu_on_cpu": GPUPlan(plan_layout(2), "ipc", 512, False, "sglang", "bfloat16", "cpu", serialize=bytes_payloads,
+         "gpu_on_cpu": GPUPlan(plan_layout(2), "ipc", 512, False, "sglang", "bfloat16", "cpu",
+                               serialize=bytes_payloads,
                                engine_backend=functools.partial(FakeSGLang, "/tmp"))}
 
 

@@ -1,5 +1,5 @@
-"""Where the cores go (runtime/cores.py): the phase table, read across processes, the rule for a step alone, and
-a shared step following the workers layer by layer."""
+"""Where the cores go (runtime/cores.py): the phase table, read across processes, the rule for a step alone,
+and a shared step following the workers layer by layer."""
 import torch
 import torch.multiprocessing as mp
 
@@ -13,7 +13,8 @@ def test_asynchronous_run_moves_cores_with_the_phase():
     assert cores.trainer_step(alone=True) == 4 and cores.phase == ALONE
     assert cores.trainer_step(alone=False) == 2 and cores.worker_threads() == 2  # side by side: half each
     cores.trainer_step(alone=True)
-    assert cores.trainer_after_step() == 2 and cores.worker_threads() == 2  # logging/evaluating beside generation
+    # logging/evaluating beside generation
+    assert cores.trainer_after_step() == 2 and cores.worker_threads() == 2
 
 
 def test_synchronous_run_keeps_full_counts_whatever_the_state():
@@ -60,7 +61,8 @@ def test_a_shared_step_takes_the_cores_of_a_worker_that_does_not_decode():
 
 
 def test_synchronous_and_fixed_steps_never_move():
-    for cores in (Cores(cores=4, workers=1, ranks=1, max_staleness=0), Cores(4, 1, 1, max_staleness=2, fixed=3)):
+    for cores in (Cores(cores=4, workers=1, ranks=1, max_staleness=0),
+                  Cores(4, 1, 1, max_staleness=2, fixed=3)):
         assert not cores.moves_in_step
         cores.trainer_step(alone=False)
         expected = cores.trainer_now()
@@ -69,8 +71,8 @@ def test_synchronous_and_fixed_steps_never_move():
 
 
 def test_follow_workers_sets_threads_before_each_layer_forward_and_backward(monkeypatch):
-    """Two layers: their forwards read the flags as they are then, and so do their backwards, in reverse order;
-    the flag flipped between forward and backward shows in the backward's counts."""
+    """Two layers: their forwards read the flags as they are then, and so do their backwards, in reverse
+    order; the flag flipped between forward and backward shows in the backward's counts."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     cores = Cores(cores=2, workers=1, ranks=1, max_staleness=1)

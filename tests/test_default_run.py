@@ -12,8 +12,8 @@ def _rewards(run_dir):
 
 
 def test_real_model_short_run_checkpoint_loads_and_generates(tmp_path):
-    result = run_train(tmp_path, "steps=2", "train.batch_groups=2", "rollout.max_new_tokens=8", "eval.max_examples=4",
-                       timeout=600)
+    result = run_train(tmp_path, "steps=2", "train.batch_groups=2", "rollout.max_new_tokens=8",
+                       "eval.max_examples=4", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(_rewards(tmp_path)) == 2
 

@@ -1,5 +1,5 @@
-"""docs/design.md's checkable statements, checked against the code (the import layers are tests/test_layering.py):
-each fails if the code stops doing what the design says."""
+"""docs/design.md's checkable statements, checked against the code (the import layers are
+tests/test_layering.py): each fails if the code stops doing what the design says."""
 import ast
 import dataclasses
 import inspect
@@ -9,8 +9,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRODUCT = ("algos", "buffer", "engines", "evaluate.py", "launch", "models", "registry.py", "rewards", "rollout.py",
-           "tasks", "train.py", "trainer", "plot.py", "scripts", "heap.py")
+PRODUCT = ("algos", "buffer", "engines", "evaluate.py", "launch", "models", "registry.py", "rewards",
+           "rollout.py", "tasks", "train.py", "trainer", "plot.py", "scripts", "heap.py")
 
 
 def _files() -> list[str]:
@@ -51,7 +51,8 @@ def test_each_process_entry_takes_one_argument_object():
     for entry, args in ((rollout.run, rollout.RolloutArgs), (loop.run, loop.TrainerArgs)):
         (param,) = inspect.signature(entry).parameters.values()
         assert param.annotation in (args, args.__name__)
-        assert dataclasses.is_dataclass(args) and args.__dataclass_params__.frozen  # picklable values, passed whole
+        # picklable values, passed whole
+        assert dataclasses.is_dataclass(args) and args.__dataclass_params__.frozen
         assert any(f.name == "cfg" for f in dataclasses.fields(args))
 
 
@@ -76,7 +77,8 @@ def test_no_function_or_constructor_takes_more_than_ten_parameters():
         for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 10:
                 too_many.append(f"{rel}:{node.lineno} {node.name}")
-            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            if isinstance(node, ast.ClassDef) \
+                    and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
                 fields = [s for s in node.body if isinstance(s, ast.AnnAssign)]
                 if len(fields) > 10 and node.name not in SCHEMA + RECORDS and \
                         not (rel.startswith("tasks/") and node.name == "Config"):
@@ -98,8 +100,8 @@ def test_weights_are_published_once_per_batch_not_per_optimizer_step():
     assert not [n for n in ast.walk(step) if isinstance(n, ast.Call) and "publish" in ast.unparse(n.func)]
 
 
-@pytest.mark.parametrize("package, registry", [("algos", "LOSSES"), ("tasks", "TASKS"), ("rewards", "REWARDS"),
-                                               ("engines", "ENGINES")])
+@pytest.mark.parametrize("package, registry", [("algos", "LOSSES"), ("tasks", "TASKS"),
+                                               ("rewards", "REWARDS"), ("engines", "ENGINES")])
 def test_every_kind_of_part_is_found_the_same_way(package, registry):
     """"Finding parts by name": one Registry per kind, over its package's folder; an unknown name is one line
     naming the valid ones."""
@@ -124,7 +126,8 @@ def test_no_weight_path_names_an_engine():
     for name in ("weights.py", "weight_sync.py", "buckets.py"):
         tree = _tree(os.path.join(ROOT, "engines", name))
         imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        strings = {n.value for n in ast.walk(tree)
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         assert not imports & set(engines) and not strings & {"builtin", "sglang"}, name
 
 
@@ -201,8 +204,8 @@ def new_parts():
 
 
 def test_a_new_loss_is_its_file_and_a_new_task_its_file_and_preset(new_parts):
-    """"A new part is its file": nothing else lists the parts, so the command line, the schema, the checks and the
-    trainer's lookup all find them."""
+    """"A new part is its file": nothing else lists the parts, so the command line, the schema, the checks and
+    the trainer's lookup all find them."""
     import torch
 
     import algos

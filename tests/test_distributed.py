@@ -1,5 +1,6 @@
 """FSDP2 over gloo: one optimizer step on two ranks gives the weights one rank gives; a compiled model gives
-the weights the eager one gives; the full weights come in a few all-gathers, bit for bit what full_tensor() gives."""
+the weights the eager one gives; the full weights come in a few all-gathers, bit for bit what full_tensor()
+gives."""
 import contextlib
 import socket
 from unittest import mock
@@ -23,9 +24,10 @@ from trainer.policy import TokenLogprobs, full_state, shard
 
 
 def _learner(model_dir, rank, world, port, algo="grpo", compile=False, skip_tied=True):
-    train = TrainConfig(batch_groups=2, micro_groups=1, lr=1e-3, grad_clip=100.0, autocast="none", compile=compile,
-                        skip_tied_groups=skip_tied)
-    return Learner(rank=Rank(rank, world, port), model_path=model_dir, train=train, algo=algos.get(algo).Config(),
+    train = TrainConfig(batch_groups=2, micro_groups=1, lr=1e-3, grad_clip=100.0, autocast="none",
+                        compile=compile, skip_tied_groups=skip_tied)
+    return Learner(rank=Rank(rank, world, port), model_path=model_dir, train=train,
+                   algo=algos.get(algo).Config(),
                    rollout=RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0))
 
 
@@ -39,7 +41,8 @@ def _one_step(rank, world, port, model_dir, out, algo="grpo", compile=False, rew
         metrics = learner.step(batch, 1)
         state = {name: t.detach().clone() for name, t in full_state(learner.policy)}
         if rank == 0:
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled by dynamo in this process
+            # compiled by dynamo in this process
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             torch.save({"state": state, "loss": metrics["loss"], "graphs": graphs,
                         "tied": metrics["train/tied_groups_skipped"]}, out)
     finally:
@@ -53,8 +56,8 @@ def _port():
 
 
 def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
-    """Two of MIXED's four groups tie: one rank trains on all four (train.skip_tied_groups=false), two ranks leave
-    the ties out and take one group each, and the step is the same."""
+    """Two of MIXED's four groups tie: one rank trains on all four (train.skip_tied_groups=false), two ranks
+    leave the ties out and take one group each, and the step is the same."""
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     mp.spawn(_one_step, args=(1, _port(), tiny_model_dir, str(one), "ppo", False, MIXED, False), nprocs=1)
     mp.spawn(_one_step, args=(2, _port(), tiny_model_dir, str(two), "ppo", False, MIXED, True), nprocs=2)
@@ -99,7 +102,8 @@ def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
     from trainer.policy import COLLECTIVE_TIMEOUT, CPUPlacement
 
     hearts, stop = Heartbeats(["trainer-0", "trainer-1"]), StopFlag()
-    rank1 = types.SimpleNamespace(shared=types.SimpleNamespace(hearts=hearts, stop=stop), heart=hearts.of("trainer-1"))
+    rank1 = types.SimpleNamespace(shared=types.SimpleNamespace(hearts=hearts, stop=stop),
+                                  heart=hearts.of("trainer-1"))
     seen = []
 
     def rank0_posts():  # after a second of "evaluation": was rank 1 still beating while it waited?
@@ -127,7 +131,8 @@ def test_ranks_wait_for_rank_0_beating_not_in_a_collective():
 
 @contextlib.contextmanager
 def _counted_gathers():
-    """Inside: a function that says how many all-gathers were entered, whichever way (full_tensor is one each)."""
+    """Inside: a function that says how many all-gathers were entered, whichever way (full_tensor is one
+    each)."""
     with (mock.patch.object(dist, "all_gather_single", wraps=dist.all_gather_single) as single,
           mock.patch.object(dist, "all_gather", wraps=dist.all_gather) as gather,
           mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as full):
@@ -136,7 +141,8 @@ def _counted_gathers():
 
 def _one_by_one(policy):
     """What full_state gave before trainer/gather.py: one full_tensor() per weight, the reference here."""
-    named = ((engine_name(n), v.full_tensor() if isinstance(v, DTensor) else v) for n, v in policy.state_dict().items())
+    named = ((engine_name(n), v.full_tensor() if isinstance(v, DTensor) else v)
+             for n, v in policy.state_dict().items())
     return list(merged(named, policy.lm))
 
 
@@ -174,13 +180,19 @@ def _gathers(rank, world, port, out):
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world,))
         named = [("odd", distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])),
-                 ("one_row", distribute_tensor(torch.randn(1, 4), mesh, [Shard(0)])),  # none on rank 1
-                 ("vector", distribute_tensor(torch.randn(7), mesh, [Shard(0)])),  # past 80 bytes: a second batch
-                 ("bf16", distribute_tensor(torch.randn(3, 1).bfloat16(), mesh, [Shard(0)])),  # 4 bytes a rank
-                 ("wide", distribute_tensor(torch.randn(3, dtype=torch.float64), mesh, [Shard(0)])),  # aligned after
-                 ("replicated", distribute_tensor(torch.randn(2, 2), mesh, [Replicate()])),  # full_tensor()
+                 # none on rank 1
+                 ("one_row", distribute_tensor(torch.randn(1, 4), mesh, [Shard(0)])),
+                 # past 80 bytes: a second batch
+                 ("vector", distribute_tensor(torch.randn(7), mesh, [Shard(0)])),
+                 # 4 bytes a rank
+                 ("bf16", distribute_tensor(torch.randn(3, 1).bfloat16(), mesh, [Shard(0)])),
+                 # aligned after
+                 ("wide", distribute_tensor(torch.randn(3, dtype=torch.float64), mesh, [Shard(0)])),
+                 # full_tensor()
+                 ("replicated", distribute_tensor(torch.randn(2, 2), mesh, [Replicate()])),
                  ("plain", torch.randn(3)),
-                 ("last", distribute_tensor(torch.randn(2, 2), mesh, [Shard(0)]))]  # a third batch
+                 # a third batch
+                 ("last", distribute_tensor(torch.randn(2, 2), mesh, [Shard(0)]))]
         expected = [(n, v.full_tensor() if isinstance(v, DTensor) else v) for n, v in named]
         with _counted_gathers() as count:
             got = list(full_tensors(named, budget=80))  # odd and one_row: 76 bytes together
@@ -199,11 +211,12 @@ def gathered(tmp_path_factory):
 
 
 def test_full_state_is_full_tensor_bit_for_bit(gathered):
-    """Two FSDP2 ranks: the same names, order and bits as one full_tensor() per weight, a weight of an odd dim 0
-    and a LoRA model's merged weights (a bf16 base under fp32 adapters) included."""
+    """Two FSDP2 ranks: the same names, order and bits as one full_tensor() per weight, a weight of an odd
+    dim 0 and a LoRA model's merged weights (a bf16 base under fp32 adapters) included."""
     for case in (2, 8, "lora"):
         assert gathered[case]["names"] and gathered[case]["bits"], case
-    assert gathered["handmade"] == {"names": True, "bits": True, "gathers": 4}  # 3 batches and the replicated one
+    # 3 batches and the replicated one
+    assert gathered["handmade"] == {"names": True, "bits": True, "gathers": 4}
 
 
 def test_full_state_gathers_in_as_many_collectives_for_any_number_of_weights(gathered):

@@ -51,14 +51,16 @@ def test_sampled_logprobs_match_teacher_forced_hf(model):
 
 def test_greedy_matches_hf_generate(model, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    texts = ["What is 3 + 4? Reply with just the number.", "Hello", "Name three colours of the rainbow, please."]
+    texts = ["What is 3 + 4? Reply with just the number.", "Hello",
+             "Name three colours of the rainbow, please."]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     engine = BuiltinEngine(model, max_batch=2, max_len=64)
     completions = engine.generate([Request(i, p, SamplingParams(temperature=0, max_new_tokens=12))
                                    for i, p in enumerate(prompts)])
     for prompt, completion in zip(prompts, completions):
         with torch.no_grad():
-            reference = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt):]
+            reference = model.generate(torch.tensor([prompt]), do_sample=False,
+                                       max_new_tokens=12)[0, len(prompt):]
         assert completion.token_ids[:len(reference)] == reference.tolist()
         # Greedy logprobs are those of the argmax under softmax(logits), i.e. T = 1.
         assert_matches_teacher_forced(model, completion, 1.0)
@@ -91,8 +93,9 @@ def test_in_flight_weight_update_records_versions_and_uses_new_weights(model, ti
 
 
 def check_an_in_flight_weight_load(model, new_model, vocab: int) -> None:
-    """Requests in flight when `new_model`'s weights are copied into the engine keep their cache and record the new
-    version on later tokens; a request started after samples from the new weights; `model` stays untouched."""
+    """Requests in flight when `new_model`'s weights are copied into the engine keep their cache and record
+    the new version on later tokens; a request started after samples from the new weights; `model` stays
+    untouched."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = BuiltinEngine(model, max_batch=4, max_len=64)
     prompts = random_prompts([5, 11, 3], vocab=vocab)
@@ -122,7 +125,8 @@ def test_samples_of_one_prompt_share_one_prefill(model):
     engine = BuiltinEngine(model, max_batch=8, max_len=32)
     prefilled = []
     prefill = engine.model.prefill
-    engine.model.prefill = lambda k, v, ids, rows, slots: prefilled.append(ids.shape) or prefill(k, v, ids, rows, slots)
+    engine.model.prefill = lambda k, v, ids, rows, slots: prefilled.append(ids.shape) \
+        or prefill(k, v, ids, rows, slots)
     shared, other = random_prompts([9, 5])
     requests = [Request(i, shared, SamplingParams(max_new_tokens=3)) for i in range(5)]
     completions = engine.generate(requests + [Request(5, other, SamplingParams(max_new_tokens=3))])
@@ -165,7 +169,8 @@ def test_same_seed_same_tokens(model):
     requests = [Request(i, p, SamplingParams(max_new_tokens=6, top_p=0.95)) for i, p in enumerate(prompts)]
 
     def run(seed):
-        return [c.token_ids for c in BuiltinEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
+        return [c.token_ids
+                for c in BuiltinEngine(model, max_batch=2, max_len=32, seed=seed).generate(requests)]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
@@ -175,7 +180,8 @@ def test_sampler_follows_the_nucleus_distribution():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * 300)
     logits = probs.clamp_min(1e-30).log().expand(20000, -1).clone()
     g = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(logits, torch.ones(20000), torch.full((20000,), 0.8), torch.rand(20000, generator=g))
+    tokens, logprobs = sample(logits, torch.ones(20000), torch.full((20000,), 0.8),
+                              torch.rand(20000, generator=g))
     counts = torch.bincount(tokens, minlength=305).float() / 20000
     # 0.4 + 0.3 < 0.8 <= 0.4 + 0.3 + 0.15: the nucleus is tokens {0, 1, 2}, renormalised.
     torch.testing.assert_close(counts[:3], torch.tensor([0.4, 0.3, 0.15]) / 0.85, atol=0.015, rtol=0)
@@ -192,8 +198,8 @@ def test_sampler_follows_the_nucleus_distribution():
 
 
 def test_the_sampler_takes_bf16_logits_leaves_them_alone_and_draws_what_their_float32_copy_draws():
-    """A bf16 engine hands the sampler its head's own logits: the tokens and logprobs are those of their float32
-    copy, bit for bit, at T = 1, at T != 1 with top-p, and greedy; neither tensor is written to."""
+    """A bf16 engine hands the sampler its head's own logits: the tokens and logprobs are those of their
+    float32 copy, bit for bit, at T = 1, at T != 1 with top-p, and greedy; neither tensor is written to."""
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 4096, generator=g) * 4).bfloat16()
     u = torch.rand(6, generator=g)
@@ -205,7 +211,8 @@ def test_the_sampler_takes_bf16_logits_leaves_them_alone_and_draws_what_their_fl
         expected_tokens, expected_logprobs = sample(as_fp32, t, p, u)
         assert torch.equal(tokens, expected_tokens) and torch.equal(logprobs, expected_logprobs)
         assert torch.equal(as_bf16, logits) and torch.equal(as_fp32, kept)
-        reference = torch.log_softmax(kept / (temperature or 1.0), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        reference = (torch.log_softmax(kept / (temperature or 1.0), dim=-1)
+                     .gather(1, tokens[:, None]).squeeze(1))
         torch.testing.assert_close(logprobs, reference)
 
 
@@ -230,16 +237,17 @@ def test_qwen2_style_bias_and_untied_head_match_hf():
 
 def test_bfloat16_engine_stays_close_to_fp32(model):
     engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=torch.bfloat16)
-    requests = [Request(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(random_prompts([6, 15]))]
+    requests = [Request(i, p, SamplingParams(max_new_tokens=8))
+                for i, p in enumerate(random_prompts([6, 15]))]
     for completion in engine.generate(requests):
         assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
 
 
 def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, monkeypatch):
-    """On the CPU, bf16 decode attention is two matmuls where their keys are contiguous: the cache's whole width for
-    slots 0..n-1 once the longest sequence holds half of it, and the gathered slots once a slot between them has
-    finished. Either way the logprobs stay within bf16's distance of fp32 HF; a wider cache keeps the fused kernel
-    until a slot finishes."""
+    """On the CPU, bf16 decode attention is two matmuls where their keys are contiguous: the cache's whole
+    width for slots 0..n-1 once the longest sequence holds half of it, and the gathered slots once a slot
+    between them has finished. Either way the logprobs stay within bf16's distance of fp32 HF; a wider cache
+    keeps the fused kernel until a slot finishes."""
     from engines.llama import Llama
     split, widths = Llama._attend_split, []
     monkeypatch.setattr(Llama, "_attend_split", lambda self, visible: widths.append(visible.shape[-1]) or
@@ -249,13 +257,14 @@ def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, mon
     def run(max_len):
         widths.clear()
         engine = BuiltinEngine(model, max_batch=3, max_len=max_len, dtype=torch.bfloat16)
-        requests = [Request(i, p, SamplingParams(max_new_tokens=4 if i == 0 else 12)) for i, p in enumerate(prompts)]
+        requests = [Request(i, p, SamplingParams(max_new_tokens=4 if i == 0 else 12))
+                    for i, p in enumerate(prompts)]
         for completion in engine.generate(requests):
             assert_matches_teacher_forced(model, completion, 1.0, atol=0.05)
         return list(widths)
 
-    # Decode steps 1-4 read 15-18 positions. Width 32: the fused kernel, then the whole width for steps 2-4; after
-    # slot 0's last token, slots 1 and 2 gathered.
+    # Decode steps 1-4 read 15-18 positions. Width 32: the fused kernel, then the whole width for steps 2-4;
+    # after slot 0's last token, slots 1 and 2 gathered.
     tight = run(32)
     assert tight[:3] == [32, 32, 32] and tight[3:] and all(w < 32 for w in tight[3:])
     wide = run(128)  # the gathered slots only
@@ -263,9 +272,9 @@ def test_bfloat16_decode_attention_as_two_matmuls_stays_close_to_fp32(model, mon
 
 
 def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(model, monkeypatch):
-    """The fast path's CPU cache starts FIRST_WIDTH positions wide and widens in place, GROWTH positions at a time,
-    as the longest sequence needs, up to max_len: the same tokens and logprobs as a cache made max_len wide at once,
-    HF-exact in fp32."""
+    """The fast path's CPU cache starts FIRST_WIDTH positions wide and widens in place, GROWTH positions at a
+    time, as the longest sequence needs, up to max_len: the same tokens and logprobs as a cache made max_len
+    wide at once, HF-exact in fp32."""
     from engines.llama import Llama
 
     requests = [Request(i, p, SamplingParams(max_new_tokens=n))
@@ -275,7 +284,8 @@ def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(mod
     memory = grown.k_cache.data_ptr(), grown.v_cache.data_ptr()
     widths = []
     grow = Llama.grow_cache
-    monkeypatch.setattr(Llama, "grow_cache", lambda self, k, v, width: widths.append(width) or grow(self, k, v, width))
+    monkeypatch.setattr(Llama, "grow_cache",
+                        lambda self, k, v, width: widths.append(width) or grow(self, k, v, width))
     done = grown.generate(requests)
     assert widths == [96, 128]  # 15 + 110 - 1 positions, in steps of 32
     assert grown.k_cache.shape[3] == 128 and grown.v_cache.shape[3] == 128
@@ -287,21 +297,22 @@ def test_a_cpu_cache_grows_with_the_longest_sequence_and_keeps_what_it_holds(mod
     prompt, observation = random_prompts([9, 70], seed=3)
     first = parked.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])[0]
     assert parked.k_cache.shape[3] == 64
-    second = parked.generate([Request(1, prompt + first.token_ids + observation, SamplingParams(max_new_tokens=6),
-                                      resume=0)])[0]
+    second = parked.generate([Request(1, prompt + first.token_ids + observation,
+                                      SamplingParams(max_new_tokens=6), resume=0)])[0]
     assert (parked.resumed, parked.resume_misses) == (1, 0) and parked.k_cache.shape[3] == 96
     assert_matches_teacher_forced(model, second, 1.0)
     monkeypatch.setattr(BuiltinEngine, "FIRST_WIDTH", 1 << 30)
     whole = BuiltinEngine(model, max_batch=2, max_len=200)
     assert whole.k_cache.shape[3] == 200
-    assert [(c.token_ids, c.logprobs) for c in whole.generate(requests)] == [(c.token_ids, c.logprobs) for c in done]
+    assert [(c.token_ids, c.logprobs) for c in whole.generate(requests)] \
+        == [(c.token_ids, c.logprobs) for c in done]
 
 
 @pytest.mark.parametrize("lead, width, wider", [((30, 8, 3), 64, 96), ((50,), 10, 11), ((2, 3), 5, 40)])
 def test_a_cache_widened_in_place_keeps_every_row_and_zeroes_the_new_positions(lead, width, wider):
-    """engines/llama.py `widen`: rows move up in runs that never overlap what they leave (first case), or one at a
-    time through a copy where they do (the second case's first ten rows), within the memory the cache came in; that
-    memory's unwritten rest (NaN here) never shows."""
+    """engines/llama.py `widen`: rows move up in runs that never overlap what they leave (first case), or one
+    at a time through a copy where they do (the second case's first ten rows), within the memory the cache
+    came in; that memory's unwritten rest (NaN here) never shows."""
     from engines.llama import widen
 
     rows = math.prod(lead)
@@ -318,7 +329,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused():
     # other causal LMs run on the fallback (tests/test_models.py)
     from transformers import T5Config, T5ForConditionalGeneration
 
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1,
+                                             num_heads=2, d_kv=8))
     with pytest.raises(ValueError, match="not a causal LM"):
         BuiltinEngine(t5, max_batch=1, max_len=16)
 
@@ -341,20 +353,23 @@ def test_a_request_samples_the_same_tokens_in_any_batch(model):
     prompts = random_prompts([4, 9, 4, 6])
     requests = [Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts)]
     together = BuiltinEngine(model, max_batch=4, max_len=32, seed=3).generate(requests)
-    alone = [BuiltinEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0] for r in requests[::-1]][::-1]
+    alone = [BuiltinEngine(model, max_batch=1, max_len=32, seed=3).generate([r])[0]
+             for r in requests[::-1]][::-1]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
 @pytest.mark.parametrize("fallback", [False, True])
 def test_a_sample_admitted_beside_a_running_sibling_copies_its_prompt_s_cache(model, fallback):
-    """More samples of a prompt than free slots: those admitted later copy the prompt's cache from a sibling still
-    running instead of prefilling it again, and their logprobs are still a full teacher-forced pass's."""
+    """More samples of a prompt than free slots: those admitted later copy the prompt's cache from a sibling
+    still running instead of prefilling it again, and their logprobs are still a full teacher-forced
+    pass's."""
     engine = BuiltinEngine(model, max_batch=2, max_len=40, fallback=fallback)
     prefilled = []
     prefill = engine.model.prefill
     engine.model.prefill = lambda *a: prefilled.append(a[2].shape) or prefill(*a)
     shared, other = random_prompts([11, 7], seed=4)
-    # Sample 0 runs throughout; the other prompt holds slot 1 first, so a wrong copy would leave its keys there.
+    # Sample 0 runs throughout; the other prompt holds slot 1 first, so a wrong copy would leave its keys
+    # there.
     plan = [(shared, 12), (other, 2), (shared, 3), (shared, 4)]
     requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(plan)]
     completions = engine.generate(requests)
@@ -364,8 +379,8 @@ def test_a_sample_admitted_beside_a_running_sibling_copies_its_prompt_s_cache(mo
 
 
 def test_a_parked_sequence_continues_with_only_its_new_tokens_prefilled(model):
-    """Multi-turn: a finished turn's slot stays parked; the next turn (its tokens + an observation) extends the
-    cache instead of prefilling it all, and its logprobs are those of a full teacher-forced pass."""
+    """Multi-turn: a finished turn's slot stays parked; the next turn (its tokens + an observation) extends
+    the cache instead of prefilling it all, and its logprobs are those of a full teacher-forced pass."""
     prompt, observation = random_prompts([9, 6], seed=3)
     engine = BuiltinEngine(model, max_batch=2, max_len=64)
     first = engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])[0]
@@ -380,7 +395,8 @@ def test_a_parked_sequence_continues_with_only_its_new_tokens_prefilled(model):
     # The same continuation after its slot was taken by another request: a full prefill, the same tokens.
     other = BuiltinEngine(model, max_batch=1, max_len=64)
     other.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])
-    other.generate([Request(7, random_prompts([4], seed=9)[0], SamplingParams(max_new_tokens=2))])  # evicts it
+    # evicts it
+    other.generate([Request(7, random_prompts([4], seed=9)[0], SamplingParams(max_new_tokens=2))])
     again = other.generate([Request(1, second_prompt, SamplingParams(max_new_tokens=6), resume=0)])[0]
     assert (other.resumed, other.resume_misses) == (0, 1)
     assert again.token_ids == second.token_ids
@@ -413,10 +429,11 @@ def test_an_engine_that_cannot_stop_on_text_is_cut_after_the_stop_string():
 
 
 @pytest.mark.parametrize("large_cache", [False, True])
-def test_a_cpu_engine_s_process_keeps_the_chunks_it_frees_and_makes_again(tiny_model_dir, monkeypatch, large_cache):
-    """A CPU engine that keeps its cache frees its blocked weights every version and makes them again at once: the
-    process that opens it keeps freed chunks resident, up to its weights' bytes above heap.KEEP_TOP. One whose
-    cache is handed back while idle hands the heap's pages back too, and keeps nothing."""
+def test_a_cpu_engine_s_process_keeps_the_chunks_it_frees_and_makes_again(tiny_model_dir, monkeypatch,
+                                                                          large_cache):
+    """A CPU engine that keeps its cache frees its blocked weights every version and makes them again at once:
+    the process that opens it keeps freed chunks resident, up to its weights' bytes above heap.KEEP_TOP. One
+    whose cache is handed back while idle hands the heap's pages back too, and keeps nothing."""
     import engines.builtin
     from heap import KEEP_TOP
 
@@ -444,7 +461,8 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
     assert parked and engine.k_cache is not None  # a parked sequence keeps its cache
     engine = BuiltinEngine(model, max_batch=2, max_len=32)
     assert engine.k_cache is None  # made by the first requests, not held from construction
-    assert engine.model.cache_bytes(2, 32) == sum(t.numel() * t.element_size() for t in kept.model.new_cache(2, 32))
+    assert engine.model.cache_bytes(2, 32) \
+        == sum(t.numel() * t.element_size() for t in kept.model.new_cache(2, 32))
     for batch, tokens in zip(batches, expected):
         assert [c.token_ids for c in engine.generate(batch)] == tokens
         assert engine.k_cache is None and engine.v_cache is None
@@ -452,15 +470,16 @@ def test_an_idle_engine_with_a_large_cache_hands_it_back_and_samples_the_same_to
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matmuls_read_blocked_weights_that_follow_each_new_version(model, dtype):
-    """Where engines/llama.py `blocks_weights` says so (bf16 with AVX-512, fp32 with AVX2 only), the fast path's
-    matmuls read oneDNN-blocked copies of its weights: in bf16 the same tokens and logprobs as F.linear on the plain
-    weights, in fp32 the same tokens and logprobs within fp32's rounding. adopt_weights drops the copies and the next
-    step makes them again, so a request after a weight load samples from the new weights exactly as a fresh engine
-    would."""
+    """Where engines/llama.py `blocks_weights` says so (bf16 with AVX-512, fp32 with AVX2 only), the fast
+    path's matmuls read oneDNN-blocked copies of its weights: in bf16 the same tokens and logprobs as F.linear
+    on the plain weights, in fp32 the same tokens and logprobs within fp32's rounding. adopt_weights drops the
+    copies and the next step makes them again, so a request after a weight load samples from the new weights
+    exactly as a fresh engine would."""
     from engines.llama import blocks_weights
 
     def run(engine):
-        requests = [Request(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(random_prompts([6, 15, 9]))]
+        requests = [Request(i, p, SamplingParams(max_new_tokens=8))
+                    for i, p in enumerate(random_prompts([6, 15, 9]))]
         return [(c.token_ids, c.logprobs) for c in engine.generate(requests)]
 
     engine = BuiltinEngine(model, max_batch=2, max_len=48, dtype=dtype)
@@ -497,8 +516,8 @@ def test_matmuls_read_blocked_weights_that_follow_each_new_version(model, dtype)
 
 
 def test_an_idle_engine_with_a_large_cache_gives_back_its_blocked_weights_too(model, monkeypatch):
-    """The idle release (BuiltinEngine.IDLE_RELEASE_BYTES) drops the KV cache and the blocked copies, and hands the
-    heap's free pages back; the copies are made again when requests come."""
+    """The idle release (BuiltinEngine.IDLE_RELEASE_BYTES) drops the KV cache and the blocked copies, and
+    hands the heap's free pages back; the copies are made again when requests come."""
     import engines.builtin
     from engines.llama import blocks_weights
 
@@ -512,7 +531,8 @@ def test_an_idle_engine_with_a_large_cache_gives_back_its_blocked_weights_too(mo
     engine.release_when_idle = True  # as a cache of IDLE_RELEASE_BYTES or more would
     done = engine.generate([Request(0, [5, 6, 7], SamplingParams(max_new_tokens=4))])
     assert len(done[0].token_ids) == 4 and engine.k_cache is None and engine.model.blocked == {}
-    assert released == [1]  # and glibc handed their pages back (heap.py): dropped alone, most would stay resident
+    # and glibc handed their pages back (heap.py): dropped alone, most would stay resident
+    assert released == [1]
     engine.add(Request(1, [5, 6, 7], SamplingParams(max_new_tokens=4)))
     engine.step()
     assert engine.k_cache is not None and engine.model.blocked

@@ -43,8 +43,8 @@ class ScriptEngine:
             reason = "length" if len(ids) == r.params.max_new_tokens and not stopped else "stop"
             if stopped and len(ids) < r.params.max_new_tokens:
                 ids = ids + [2]
-            out.append(Completion(r.request_id, r.prompt_ids, ids, [-0.5] * len(ids), [self.version] * len(ids),
-                                  reason))
+            out.append(Completion(r.request_id, r.prompt_ids, ids, [-0.5] * len(ids),
+                                  [self.version] * len(ids), reason))
         self.done += len(out)
         return out
 
@@ -107,8 +107,8 @@ def make_turns(tokenizer, engine, env, budget=256, counts=None, stop_strings=(),
 
 
 def assistant_spans(tokenizer, messages):
-    """Token positions of each assistant reply (its content and end-of-turn token) in the conversation rendered
-    at once: what a policy turn must be in the record."""
+    """Token positions of each assistant reply (its content and end-of-turn token) in the conversation
+    rendered at once: what a policy turn must be in the record."""
     def ids(msgs, prompt):
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -117,7 +117,8 @@ def assistant_spans(tokenizer, messages):
     for j, m in enumerate(messages):
         if m["role"] == "assistant":
             start = len(ids(messages[:j], True))
-            spans.append((start, start + len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) + 1))
+            spans.append((start,
+                          start + len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) + 1))
     return spans, ids(messages, False)
 
 
@@ -144,20 +145,22 @@ def test_mask_is_zero_exactly_on_environment_tokens_against_a_re_rendering(token
         for start, end in spans[:-1]:
             expected[end - 1] = False
     assert [False] * len(episode.prompt_ids) + episode.mask == expected
-    assert all(v == -1 and lp == 0.0 for v, lp, m in zip(episode.versions, episode.logprobs, episode.mask) if not m)
+    assert all(v == -1 and lp == 0.0
+               for v, lp, m in zip(episode.versions, episode.logprobs, episode.mask) if not m)
     assert turns.matches_rendering(episode)
 
 
 def test_every_loss_ignores_masked_tokens_whatever_they_hold():
-    """A batch whose episodes hold environment tokens (mask 0) between and after their turns gives the loss and
-    the gradient of the same batch without them, with garbage in every masked position."""
+    """A batch whose episodes hold environment tokens (mask 0) between and after their turns gives the loss
+    and the gradient of the same batch without them, with garbage in every masked position."""
     torch.manual_seed(0)
     n, t, k = 8, 6, 4
     clean = {name: torch.randn(n, t) * 0.3 - 1.0 for name in ("logprobs", "behav", "ref", "prox")}
     mask = torch.ones(n, t)
     mask[1, 4:] = 0  # a shorter completion: padding
     rewards = torch.rand(n)
-    where = torch.tensor([0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.bool)  # masked columns, interleaved
+    # masked columns, interleaved
+    where = torch.tensor([0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
     # garbage, kept where exp() of a difference stays finite (log-ratios of +-100: issue 31's clamp)
     wide = {name: torch.randn(n, len(where)) * 10 for name in clean}
     wide_mask = torch.zeros(n, len(where))
@@ -172,8 +175,9 @@ def test_every_loss_ignores_masked_tokens_whatever_they_hold():
         for values, m in ((clean, mask), (wide, wide_mask)):
             logprobs = values["logprobs"].clone().requires_grad_()
             mb = algos.MicroBatch(logprobs=logprobs, behav_logprobs=values["behav"], mask=m, rewards=rewards,
-                                  group_size=k, batch_sequences=n, batch_tokens=int(m.sum()), max_new_tokens=t,
-                                  step=0, ref_logprobs=values["ref"], prox_logprobs=values["prox"])
+                                  group_size=k, batch_sequences=n, batch_tokens=int(m.sum()),
+                                  max_new_tokens=t, step=0, ref_logprobs=values["ref"],
+                                  prox_logprobs=values["prox"])
             loss, _ = loss_fn(mb)
             loss.backward()
             losses.append((loss.detach(), logprobs.grad[:, :t] if m is mask else logprobs.grad[:, ~where]))
@@ -187,9 +191,9 @@ def test_the_trainer_batch_reads_the_record_mask():
     group_mask = torch.tensor([[True, True, False, False, True], [True, True, True, False, False]])
     from buffer.ring import Group
 
-    g = Group(torch.tensor([5, 6]), torch.arange(10).view(2, 5) + 3, torch.tensor([5, 3]), torch.full((2, 5), 99.0),
-              torch.full((2, 5), 7), torch.tensor([1.0, 0.0]), torch.tensor([False, False]), 0, 0, 0,
-              loss_mask=group_mask)
+    g = Group(torch.tensor([5, 6]), torch.arange(10).view(2, 5) + 3, torch.tensor([5, 3]),
+              torch.full((2, 5), 99.0), torch.full((2, 5), 7), torch.tensor([1.0, 0.0]),
+              torch.tensor([False, False]), 0, 0, 0, loss_mask=group_mask)
     batch = pack([g])
     assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]]
     assert batch.behav_logprobs[0].tolist() == [99.0, 99.0, 0.0, 0.0, 99.0]
@@ -287,23 +291,25 @@ def test_a_flooding_or_template_breaking_tool_is_cut_and_defused(tokenizer):
     turns = make_turns(tokenizer, engine, lambda: Echo(lambda: next(answers), turns=3), counts=counts,
                        max_observation_tokens=64)
     episode, = drive(turns, engine)  # drive() fails if the episodes never end
-    assert episode.finish == "done" and counts["observations_cut"] == 1 and counts["observations_sanitized"] >= 1
+    assert episode.finish == "done" and counts["observations_cut"] == 1 \
+        and counts["observations_sanitized"] >= 1
     env_ids = [t for t, m in zip(episode.token_ids, episode.mask) if not m]
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert env_ids.count(im_start) == 4  # two observations, each a user header and an assistant header: no more
+    # two observations, each a user header and an assistant header: no more
+    assert env_ids.count(im_start) == 4
     assert len(env_ids) < 2 * (64 + 20)
     turns.close()
 
 
 def test_calc_tool_model_mistakes_are_answered_and_counted(tokenizer):
-    """A tag never closed, an unknown tool in JSON, malformed JSON: each answered with its error, counted, and the
-    episode goes on to its final answer, which is scored."""
+    """A tag never closed, an unknown tool in JSON, malformed JSON: each answered with its error, counted, and
+    the episode goes on to its final answer, which is scored."""
     import tasks
 
     for fmt, replies, counted in (
         ("tags", ["<calc>12*34", "<calc>12*34</calc>", "408"], {"parse_errors": 1, "tool_calls": 1}),
-        ("hermes", ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "<tool_call>{not json</tool_call>",
-                    "408"], {"unknown_tools": 1, "parse_errors": 1}),
+        ("hermes", ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+                    "<tool_call>{not json</tool_call>", "408"], {"unknown_tools": 1, "parse_errors": 1}),
     ):
         task = tasks.get("calc_tool").build(tasks.get("calc_tool").Config(format=fmt), seed=0)
         example = Example("What is 12 * 34?", "408")
@@ -319,18 +325,20 @@ def test_calc_tool_model_mistakes_are_answered_and_counted(tokenizer):
 
 
 @pytest.mark.parametrize("task", ["guess_number", "calc_tool"])
-def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environment(tiny_model_dir, tmp_path, task):
-    """train.py on a multi-turn task: every step logged with its episode metrics, staleness within the bound with
-    a weight update possible mid-episode, the test split evaluated as episodes, and the records' masks honoured
-    (the run trains on policy tokens only: train.tokens counts more than the loss does)."""
+def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environment(tiny_model_dir, tmp_path,
+                                                                                    task):
+    """train.py on a multi-turn task: every step logged with its episode metrics, staleness within the bound
+    with a weight update possible mid-episode, the test split evaluated as episodes, and the records' masks
+    honoured (the run trains on policy tokens only: train.tokens counts more than the loss does)."""
     import json
 
     from tests.helpers import TINY, run_train
 
     overrides = [o for o in TINY if not o.startswith("rollout.max_new_tokens")]
     result = run_train(tmp_path, f"model.path={tiny_model_dir}", f"task={task}", "steps=3", "max_staleness=1",
-                       "env.latency_s=0.05", "env.max_turns=3", "env.max_turn_tokens=6", "rollout.max_new_tokens=96",
-                       "eval.k=1", "eval.max_examples=4", "checkpoint.at_end=false", *overrides)
+                       "env.latency_s=0.05", "env.max_turns=3", "env.max_turn_tokens=6",
+                       "rollout.max_new_tokens=96", "eval.k=1", "eval.max_examples=4",
+                       "checkpoint.at_end=false", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -338,14 +346,18 @@ def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environm
         assert row["staleness_max"] <= 1
         assert 1 <= row["episode/turns_mean"] <= 3 and row["episode/policy_tokens"] > 0
         assert abs(sum(row[f"episode/finish_{r}"] for r in FINISH_REASONS) - 1) < 1e-6
-        if task == "guess_number":  # a random model's replies rarely hold a number, or a tool call (calc_tool)
-            assert row["episode/env_tokens"] > 0 and row["episode/resumed_prefills"] > 0 and row["episode/env_ms"] > 0
-    assert rows[-1]["episode/template_checks"] >= 1 and "eval_pass@1" in rows[-1] and rows[-1]["eval_examples"] == 4
+        # a random model's replies rarely hold a number, or a tool call (calc_tool)
+        if task == "guess_number":
+            assert row["episode/env_tokens"] > 0 and row["episode/resumed_prefills"] > 0 \
+                and row["episode/env_ms"] > 0
+    assert rows[-1]["episode/template_checks"] >= 1 and "eval_pass@1" in rows[-1] \
+        and rows[-1]["eval_examples"] == 4
 
 
 def test_gsm8k_with_the_python_tool_and_code_with_test_feedback_run_their_episodes(tokenizer, tmp_path):
-    """The GPU users' tasks, driven on the CPU: a python call in the sandbox then the final answer (gsm8k_tool);
-    a failing program, the share of tests passed as feedback, then a passing one at a discount (code_retry)."""
+    """The GPU users' tasks, driven on the CPU: a python call in the sandbox then the final answer
+    (gsm8k_tool); a failing program, the share of tests passed as feedback, then a passing one at a discount
+    (code_retry)."""
     import json
 
     import tasks
@@ -356,8 +368,8 @@ def test_gsm8k_with_the_python_tool_and_code_with_test_feedback_run_their_episod
     data.write_text("\n".join(json.dumps({"question": f"What is {i} times 7?", "answer": f"#### {7 * i}"})
                               for i in range(1, 9)) + "\n")
     problems = tmp_path / "code.jsonl"
-    problems.write_text(json.dumps({"question": "Write add(a, b).", "tests": ["assert add(1, 2) == 3",
-                                                                             "assert add(2, 2) == 4"]}) + "\n")
+    problems.write_text(json.dumps({"question": "Write add(a, b).",
+                                    "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}) + "\n")
     fence = "```"
     cases = (
         ("gsm8k_tool", {"path": str(data), "format": "tags", "test_size": 2},
@@ -402,10 +414,12 @@ def test_the_hermes_format_goes_through_the_models_own_template(tokenizer_dir):
     task = tasks.get("calc_tool").build(tasks.get("calc_tool").Config(format="hermes"), seed=0)
     example = Example("What is 12 * 34? Use the calc tool, then give the final number.", "408")
     replies = ['<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>', "It is 408."]
-    engine = ScriptEngine(qwen, lambda key, turn: (replies[turn], False))  # the first turn ends on its stop string
+    # the first turn ends on its stop string
+    engine = ScriptEngine(qwen, lambda key, turn: (replies[turn], False))
     counts = {}
-    turns = Turns(engine, qwen, task, EnvConfig(max_turns=3, max_turn_tokens=64), SamplingParams(1.0, 1.0, 256, (2,)),
-                  256, 0, lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
+    turns = Turns(engine, qwen, task, EnvConfig(max_turns=3, max_turn_tokens=64),
+                  SamplingParams(1.0, 1.0, 256, (2,)), 256, 0,
+                  lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
     episode, = drive(turns, engine, example=example)
     assert (episode.finish, episode.reward, counts.get("tool_calls")) == ("done", 1.0, 1)
     prompt = qwen.decode(episode.prompt_ids)
@@ -421,7 +435,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer
     from envs.render import Renderer
 
     counting = AutoTokenizer.from_pretrained(tokenizer_dir)
-    counting.chat_template = ("{{- 'turns: ' + (messages | length | string) + '\\n' }}{%- for m in messages %}"
-                              "{{- m.role + ': ' + m.content + '<|im_end|>\\n' }}{%- endfor %}")
+    counting.chat_template = ("{{- 'turns: ' + (messages | length | string) + '\\n' }}"
+                              "{%- for m in messages %}{{- m.role + ': ' + m.content + '<|im_end|>\\n' }}"
+                              "{%- endfor %}")
     with pytest.raises(ValueError, match="not incremental"):
         Renderer(counting).observation("Too low.")

@@ -1,5 +1,5 @@
-"""Test-split evaluation: request ids, metrics, and the GPU plan's evaluation sharded over the rollout workers'
-engines (evaluate.EvalChannel), which must give what one engine gives."""
+"""Test-split evaluation: request ids, metrics, and the GPU plan's evaluation sharded over the rollout
+workers' engines (evaluate.EvalChannel), which must give what one engine gives."""
 import multiprocessing as mp
 import threading
 import time
@@ -14,13 +14,15 @@ from rewards.pool import RewardPool
 from runtime.schema import EvalConfig, RewardConfig
 from runtime.setup import EvalSpec
 
-SPEC = EvalSpec(EvalConfig(k=3, temperature=1.0), RewardConfig(workers=0), max_new_tokens=4, stop_ids=(2,), seed=0)
+SPEC = EvalSpec(EvalConfig(k=3, temperature=1.0), RewardConfig(workers=0), max_new_tokens=4,
+                stop_ids=(2,), seed=0)
 K = SPEC.eval.k
 
 
 class AnswerEngine:
-    """Answers from a fixed table, by request id: the greedy request of example i answers right when i % 3 == 0,
-    sample m when (i + m) % 4 == 0. The answer does not depend on which engine or batch generates it."""
+    """Answers from a fixed table, by request id: the greedy request of example i answers right when
+    i % 3 == 0, sample m when (i + m) % 4 == 0. The answer does not depend on which engine or batch generates
+    it."""
 
     def __init__(self, tokenizer, test):
         self.tokenizer, self.test = tokenizer, test
@@ -54,7 +56,8 @@ def test_eval_request_ids_are_negative_and_name_their_example_and_sample():
 
 def test_eval_metrics_count_greedy_pass_at_1_and_pass_at_k():
     metrics = eval_metrics({0: [1.0, 0.0, 1.0, 0.0], 1: [0.0, 0.0, 0.0, 0.0], 2: [0.0, 1.0, 1.0, 1.0]})
-    assert metrics == {"eval_pass@1": 1 / 3, "eval_pass@3": 2 / 3, "eval_sample_reward": 4 / 9, "eval_examples": 3}
+    assert metrics == {"eval_pass@1": 1 / 3, "eval_pass@3": 2 / 3, "eval_sample_reward": 4 / 9,
+                       "eval_examples": 3}
     assert eval_metrics({}) == {}
 
 

@@ -10,11 +10,12 @@ from launch.supervisor import Supervisor
 
 def _report(path: str) -> None:
     with open(path, "w") as f:
-        json.dump({"preloaded": [m for m in PRELOAD if m in sys.modules], "late": os.environ.get("RINGRL_TEST_LATE"),
-                   "environ": dict(os.environ)}, f)
+        json.dump({"preloaded": [m for m in PRELOAD if m in sys.modules],
+                   "late": os.environ.get("RINGRL_TEST_LATE"), "environ": dict(os.environ)}, f)
 
 
-def test_a_child_starts_with_the_imports_done_and_the_launcher_s_environment_of_that_moment(tmp_path, monkeypatch):
+def test_a_child_starts_with_the_imports_done_and_the_launcher_s_environment_of_that_moment(tmp_path,
+                                                                                            monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the repository: the forkserver must find ringrl's modules all the same
     ctx = context("cpu")  # the forkserver starts now, before the launcher sets the variable below
     monkeypatch.setenv("RINGRL_TEST_LATE", "set after the forkserver started")
@@ -25,9 +26,11 @@ def test_a_child_starts_with_the_imports_done_and_the_launcher_s_environment_of_
     finally:
         sup.shutdown()
     seen = json.loads((tmp_path / "seen.json").read_text())
-    assert seen["preloaded"] == list(PRELOAD)  # imported by the forkserver: this test module imports none of them
+    # imported by the forkserver: this test module imports none of them
+    assert seen["preloaded"] == list(PRELOAD)
     assert seen["late"] == "set after the forkserver started"
-    assert seen["environ"] == dict(os.environ)  # not the forkserver's own (its PYTHONPATH, its launcher's pid)
+    # not the forkserver's own (its PYTHONPATH, its launcher's pid)
+    assert seen["environ"] == dict(os.environ)
 
 
 def test_with_cuda_the_processes_are_spawned():
@@ -84,12 +87,13 @@ def watched(*args):
 trainer.peak.learner_peak = watched
 sys.argv = [os.path.join({root!r}, "train.py"), *{args!r}]
 runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+"""  # noqa: E501
 
 
 def test_the_launcher_measures_its_matmul_peak_once_the_forkserver_is_done(tmp_path, tiny_model_dir):
-    """perf/learner_mfu divides by the launcher's peak: measured while the forkserver imported on the other core
-    (on a fresh checkout it also compiles every module), the peak read low and the utilisation above 1."""
+    """perf/learner_mfu divides by the launcher's peak: measured while the forkserver imported on the other
+    core (on a fresh checkout it also compiles every module), the peak read low and the utilisation
+    above 1."""
     import subprocess
 
     from tests.helpers import ROOT, TINY, die_with_parent

@@ -1,5 +1,5 @@
-"""The built-in engine on CUDA: the same code as on the CPU, with the device passed in, and its weight path over
-CUDA IPC. Skipped without CUDA (`pytest -m gpu`); scripts/gpu_check.sh runs them on a GPU machine."""
+"""The built-in engine on CUDA: the same code as on the CPU, with the device passed in, and its weight path
+over CUDA IPC. Skipped without CUDA (`pytest -m gpu`); scripts/gpu_check.sh runs them on a GPU machine."""
 import multiprocessing as mp
 import queue
 import time
@@ -30,7 +30,8 @@ def test_gpu_engine_on_cuda_generates_what_it_generates_on_the_cpu(tiny_model_di
 
 
 def test_gpu_engine_logprobs_match_the_hf_forward_in_bf16(tiny_model_dir):
-    """bf16 on the GPU: each sampled token's logprob against the Hugging Face model's, teacher-forced in fp32."""
+    """bf16 on the GPU: each sampled token's logprob against the Hugging Face model's, teacher-forced in
+    fp32."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     done = BuiltinEngine(model, max_batch=8, max_len=32, seed=0, dtype=torch.bfloat16,
                          device="cuda:0").generate(_requests(8))
@@ -60,22 +61,25 @@ def test_gpu_fast_path_and_fallback_match_the_cpu(kind):
 
 
 def _mixed(n=12):
-    """Requests of several lengths, budgets and sampling settings: more than the slots, so slots are refilled."""
+    """Requests of several lengths, budgets and sampling settings: more than the slots, so slots are
+    refilled."""
     settings = [SamplingParams(1.0, 1.0, 12), SamplingParams(0.0, 1.0, 7), SamplingParams(0.7, 0.9, 10),
                 SamplingParams(1.0, 1.0, 5)]
     return [Request(i, [3 + i, 17, 29 + i, 5, 40 + 3 * i][:3 + i % 3], settings[i % 4]) for i in range(n)]
 
 
 def test_cuda_graphs_replay_the_static_step_exactly_and_survive_a_weight_load(tiny_model_dir):
-    """The GPU plan's step as CUDA graphs: the static step's tokens and logprobs bit for bit, graphs captured per
-    shape, and after new weights are copied in (as load_bucket does) every graph reads them: the same tokens as
-    an eager engine given the same weights; no address a graph reads has moved."""
+    """The GPU plan's step as CUDA graphs: the static step's tokens and logprobs bit for bit, graphs captured
+    per shape, and after new weights are copied in (as load_bucket does) every graph reads them: the same
+    tokens as an eager engine given the same weights; no address a graph reads has moved."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    make = lambda graphs: BuiltinEngine(model, max_batch=8, max_len=40, seed=2, dtype=torch.bfloat16,  # noqa: E731
-                                        device="cuda:0", static=True, cuda_graphs=graphs)
+    make = lambda graphs: BuiltinEngine(model, max_batch=8, max_len=40, seed=2,  # noqa: E731
+                                        dtype=torch.bfloat16, device="cuda:0", static=True,
+                                        cuda_graphs=graphs)
     eager, graphed = make(False), make(True)
-    addresses = lambda e: sorted(t.data_ptr() for t in [*e.weight_tensors().values(), e.k_cache, e.v_cache,  # noqa
-                                                         e.slots.token, e.slots.pos, e.decoder.out])
+    addresses = lambda e: sorted(t.data_ptr() for t in [*e.weight_tensors().values(), e.k_cache,  # noqa
+                                                         e.v_cache, e.slots.token, e.slots.pos,
+                                                         e.decoder.out])
     before = addresses(graphed)
     for engine in (eager, graphed):
         assert [c.token_ids for c in engine.generate(_mixed())]  # warm: graphs captured here
@@ -106,20 +110,22 @@ def test_the_static_step_on_cuda_samples_what_the_stepwise_step_samples_in_float
 
 
 def _engine_process(model_dir, weights, versions, results):
-    """A rollout process's side: a built-in engine on GPU 0 following the weight path; once it holds each version,
-    it reports the sum of every weight it holds."""
+    """A rollout process's side: a built-in engine on GPU 0 following the weight path; once it holds each
+    version, it reports the sum of every weight it holds."""
     engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(model_dir), max_batch=2, max_len=32,
                            dtype=torch.bfloat16, device="cuda:0")
     sync = weights.follower(engine, 0)
     for version in range(1, versions + 1):
         while engine.version < version:
             sync()
-        results.put((engine.version, {n: float(t.double().sum()) for n, t in engine.weight_tensors().items()}))
+        results.put((engine.version,
+                     {n: float(t.double().sum()) for n, t in engine.weight_tensors().items()}))
 
 
 def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
-    """The one-GPU layout's weight path: trainer rank 0 (FSDP2, NCCL) ships each version in buckets as CUDA tensors;
-    the engine process maps them over CUDA IPC and copies them into its weights, version after version."""
+    """The one-GPU layout's weight path: trainer rank 0 (FSDP2, NCCL) ships each version in buckets as CUDA
+    tensors; the engine process maps them over CUDA IPC and copies them into its weights, version after
+    version."""
     import torch.distributed as dist
 
     from engines.buckets import WeightChannel
@@ -133,13 +139,15 @@ def test_gpu_weights_reach_a_builtin_engine_over_cuda_ipc(tiny_model_dir):
     ctx = mp.get_context("spawn")
     placement = GPUPlacement(gpu=0)
     placement.init_process_group(0, 1, free_port())
-    weights = GPUWeights(WeightChannel(1, ctx), [1], BuiltinEngineSpec.bucket_payloads, "ipc", 1 << 16, torch.bfloat16)
+    weights = GPUWeights(WeightChannel(1, ctx), [1], BuiltinEngineSpec.bucket_payloads, "ipc", 1 << 16,
+                         torch.bfloat16)
     results = ctx.Queue()
     child = ctx.Process(target=_engine_process, args=(tiny_model_dir, weights, 2, results))
     child.start()
     try:
         policy = placement.load(tiny_model_dir, 1)
-        publish = weights.publisher(policy, True, stop_when_dead(child))  # a dead engine: no 600 s wait for acks
+        # a dead engine: no 600 s wait for acks
+        publish = weights.publisher(policy, True, stop_when_dead(child))
         for version in (1, 2):
             with torch.no_grad():
                 for p in policy.parameters():
@@ -169,5 +177,6 @@ def _next_report(results, child, version: int, timeout_s: float = 300.0):
             return results.get(timeout=1.0)
         except queue.Empty:
             if not child.is_alive():
-                raise AssertionError(f"the engine process exited (code {child.exitcode}) before version {version}")
+                raise AssertionError(f"the engine process exited (code {child.exitcode}) "
+                                     f"before version {version}")
     raise AssertionError(f"the engine did not report version {version} within {timeout_s:.0f} s")

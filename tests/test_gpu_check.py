@@ -20,10 +20,12 @@ def _report(out) -> dict:
 
 @pytest.mark.slow  # about 6 minutes on 2 cores: CI's suite must stay under 15
 def test_gpu_check_dry_run_on_the_cpu_passes_and_returns_only_what_fits(tmp_path):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])  # its `python`
+    # its `python`
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("OUT", None)
     start = time.monotonic()
-    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu", "--out",
+                             str(tmp_path)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=660)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert time.monotonic() - start < 600  # one device command
@@ -33,7 +35,8 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_returns_only_what_fits(tmp_path
     assert names == PART_1 + ["train_lora", "tests_plan"]
     train = {s["name"]: s for s in report["steps"] if s["name"].startswith("train")}
     assert train["train"]["plan"].startswith("gpu plan on the cpu")  # the GPU plan's classes, not cluster=cpu
-    assert train["train"]["max_staleness"] == 1 and train["train_eta0"]["max_staleness"] == 0  # gpu1's default
+    # gpu1's default
+    assert train["train"]["max_staleness"] == 1 and train["train_eta0"]["max_staleness"] == 0
     assert all(t["steps"] == 3 and t["gen_tokens_per_s"] > 0 and t["publish_s"] > 0 for t in train.values())
     for s in report["steps"]:
         if s["name"].startswith("bench/"):
@@ -46,17 +49,20 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_returns_only_what_fits(tmp_path
     assert "passed" in (tmp_path / "report.md").read_text().splitlines()[0]
 
 
-PART_1 = ["bench/tiny/gpu_engine", "bench/tiny/gpu_weights", "tests", "train", "train_eta0", "bench/tiny/gpu_train"]
+PART_1 = ["bench/tiny/gpu_engine", "bench/tiny/gpu_weights", "tests", "train", "train_eta0",
+          "bench/tiny/gpu_train"]
 
 
 @pytest.mark.slow  # about a minute on 2 cores
 def test_part_1_runs_alone_within_its_budget_on_the_cpu(tmp_path):
-    """The part a lent GPU machine runs first: the engine and the weight push before anything else, in 450 s."""
+    """The part a lent GPU machine runs first: the engine and the weight push before anything else,
+    in 450 s."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("OUT", None)
     start = time.monotonic()
-    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu", "--part", "1", "--out",
-                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu", "--part", "1",
+                             "--out", str(tmp_path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert time.monotonic() - start < 480
     report = _report(tmp_path)
@@ -87,7 +93,8 @@ def test_a_failing_step_and_one_past_its_cap_are_named_and_the_part_goes_on(tmp_
     monkeypatch.setattr(check, "WORK", str(tmp_path / "work"))
     monkeypatch.setattr(check, "parts", _fake_parts([("fails", fails, 60), ("sleeper", _sleeper, 2),
                                                       ("quick", lambda c, t: {"figure": 1}, 60)]))
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--part", "1", "--out", str(tmp_path / "out"), "--budget", "200"])
+    monkeypatch.setattr(sys, "argv",
+                        ["gpu_check", "--part", "1", "--out", str(tmp_path / "out"), "--budget", "200"])
     monkeypatch.setattr(check, "MARGIN_S", 0)
     monkeypatch.setattr(check, "MIN_STEP_S", 0)
     start = time.monotonic()
@@ -117,7 +124,8 @@ def test_a_check_killed_mid_step_leaves_a_report_that_names_the_step(tmp_path, s
     """The device's limit ends the command: whatever comes back says which step was running. SIGTERM also
     kills that step's process group; after SIGKILL its children are the machine's to reap."""
     out = tmp_path / "out"
-    proc = mp.get_context("spawn").Process(target=_check_with_a_hanging_step, args=(str(out), str(tmp_path / "w")))
+    proc = mp.get_context("spawn").Process(target=_check_with_a_hanging_step,
+                                           args=(str(out), str(tmp_path / "w")))
     proc.start()
     deadline = time.monotonic() + 120
     while not ((out / "report.json").exists() and any(

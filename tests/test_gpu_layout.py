@@ -51,7 +51,8 @@ def test_auto_tensor_parallel_from_model_size():
     (dict(num_gpus=1, tp_size=2), "one GPU visible"),
     (dict(num_gpus=1, gen_gpus=2), "one GPU visible"),
     (dict(num_gpus=2, mem_fraction=1.5), "mem_fraction_static"),
-    (dict(num_gpus=2, model_bytes=14 * 2**30, gpu_bytes=80 * 2**30), "training state"),  # 7B on one trainer GPU
+    # 7B on one trainer GPU
+    (dict(num_gpus=2, model_bytes=14 * 2**30, gpu_bytes=80 * 2**30), "training state"),
 ])
 def test_impossible_layouts_say_why_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -98,22 +99,26 @@ def test_gpu_plan_places_engines_and_ranks():
     from launch.gpu import gpu_plan
     from runtime.schema import ClusterConfig
 
-    plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64, activation_checkpointing=True),
+    plan = gpu_plan(ClusterConfig(plan="gpu", gen_gpus=4, tp_size=2, bucket_mb=64,
+                                  activation_checkpointing=True),
                     RolloutConfig(dtype="bfloat16"), minibatch_groups=8, meta_model=_meta_lm(), num_gpus=8,
                     gpu_bytes=80 << 30, engine="sglang")
     assert (plan.rollout_workers, plan.trainer_ranks) == (2, 4)
     engines = [plan.engine(w, max_batch=32, max_len=64, dtype="bfloat16") for w in range(2)]
-    assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] == [(0, 2, 0.85), (2, 2, 0.85)]
-    assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] == [(g, True) for g in (4, 5, 6, 7)]
+    assert [(e.base_gpu_id, e.tp_size, e.mem_fraction_static) for e in engines] \
+        == [(0, 2, 0.85), (2, 2, 0.85)]
+    assert [(p.gpu, p.checkpointing) for p in map(plan.placement, range(4))] \
+        == [(g, True) for g in (4, 5, 6, 7)]
     weights = plan.weights(_meta_lm())
     assert weights.tp_sizes == [2, 2] and weights.bucket_bytes == 64 << 20 and not weights.engines_ready()
-    assert weights.payloads is SGLangSpec.bucket_payloads and weights.dtype == torch.bfloat16  # as SGLang takes it
+    # as SGLang takes it
+    assert weights.payloads is SGLangSpec.bucket_payloads and weights.dtype == torch.bfloat16
     weights.channel.close()
 
 
 def test_gpu_plan_with_the_built_in_engine():
-    """Without SGLang: a built-in engine on each generation GPU, weights in its dtype; on one GPU the engine and
-    the trainer rank each get a capped share of it."""
+    """Without SGLang: a built-in engine on each generation GPU, weights in its dtype; on one GPU the engine
+    and the trainer rank each get a capped share of it."""
     from engines.builtin import BuiltinEngineSpec
     from launch.gpu import SHARED_GPU_HEADROOM, gpu_plan
     from runtime.schema import ClusterConfig
@@ -122,9 +127,10 @@ def test_gpu_plan_with_the_built_in_engine():
                     gpu_bytes=80 << 30, engine="builtin")
     specs = [plan.engine(w, max_batch=32, max_len=64, dtype="float32") for w in range(plan.rollout_workers)]
     # the static decode step, as CUDA graphs unless rollout.cuda_graphs=false
-    assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}", static=True, cuda_graphs=True) for g in (0, 1)]
-    eager = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32", cuda_graphs=False), 8, _meta_lm(),
-                     num_gpus=4, gpu_bytes=80 << 30, engine="builtin")
+    assert specs == [BuiltinEngineSpec(32, 64, "float32", f"cuda:{g}", static=True, cuda_graphs=True)
+                     for g in (0, 1)]
+    eager = gpu_plan(ClusterConfig(plan="gpu"), RolloutConfig(dtype="float32", cuda_graphs=False), 8,
+                     _meta_lm(), num_gpus=4, gpu_bytes=80 << 30, engine="builtin")
     assert not eager.engine(0, max_batch=32, max_len=64, dtype="float32").cuda_graphs
     weights = plan.weights(_meta_lm())
     assert weights.payloads is BuiltinEngineSpec.bucket_payloads and weights.dtype == torch.float32
@@ -141,11 +147,14 @@ def test_gpu_plan_with_the_built_in_engine():
 @pytest.mark.parametrize("num_gpus, cluster, batch_groups, message", [
     (8, dict(gen_gpus=6, train_gpus=4), 8, "do not fit in the 8"),
     (8, dict(tp_size=3), 8, "does not divide the model's 2 KV heads"),
-    (8, dict(gen_gpus=5), 8, r"'train.batch_groups' \(per minibatch, if train.minibatches > 1\) must be divisible "
-                             "by the layout's 3 trainer ranks"),
+    (8, dict(gen_gpus=5), 8,
+     r"'train.batch_groups' \(per minibatch, if train.minibatches > 1\) must be divisible "
+     "by the layout's 3 trainer ranks"),
     (1, dict(gen_gpus=1, train_gpus=1, weight_sync="nccl"), 8, "use cluster.weight_sync=ipc on one GPU"),
-    (8, dict(tp_size=2, engine="builtin"), 8, "the builtin engine runs on one GPU; use rollout.engine=sglang"),
-    (8, dict(weight_sync="nccl", engine="builtin"), 8, "cluster.weight_sync=nccl needs rollout.engine=sglang"),
+    (8, dict(tp_size=2, engine="builtin"), 8,
+     "the builtin engine runs on one GPU; use rollout.engine=sglang"),
+    (8, dict(weight_sync="nccl", engine="builtin"), 8,
+     "cluster.weight_sync=nccl needs rollout.engine=sglang"),
 ])
 def test_gpu_plan_refuses_in_one_line(num_gpus, cluster, batch_groups, message):
     from launch.gpu import gpu_plan
@@ -167,6 +176,7 @@ def test_auto_precision_is_bf16_only_where_the_device_computes_it_natively(monke
     dtype, autocast, notice = plan.resolve_precision("auto", "auto", "cpu")
     assert (dtype, autocast) == (("bfloat16", "bfloat16") if native else ("float32", "none"))
     assert (notice is None) is native and (native or "\n" not in notice)
-    assert plan.resolve_precision("bfloat16", "bfloat16", "cpu") == ("bfloat16", "bfloat16", None)  # asked for
+    # asked for
+    assert plan.resolve_precision("bfloat16", "bfloat16", "cpu") == ("bfloat16", "bfloat16", None)
     assert plan.resolve_precision("float32", "none", "gpu") == ("float32", "none", None)
     assert plan.resolve_precision("auto", "auto", "gpu")[:2] == ("bfloat16", "bfloat16")

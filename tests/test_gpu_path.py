@@ -66,17 +66,20 @@ def test_gpu_launch_path_runs_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert [g["versions_loaded"] for g in greedy] == [3, 3] and greedy[0]["prompt"] != greedy[1]["prompt"]
     assert rows[0]["gen_tokens_per_s"] > 0 and all(r["staleness_max"] <= cfg.max_staleness for r in rows)
     loads = [json.loads(line) for line in open(tmp_path / "engine-0-loads.jsonl")]
-    assert len(loads) == 3  # one load per optimizer step, every bucket of it, the cache flushed after the last
+    # one load per optimizer step, every bucket of it, the cache flushed after the last
+    assert len(loads) == 3
     assert all(len(load["flush"]) > 1 and load["flush"] == [False] * (len(load["flush"]) - 1) + [True]
                for load in loads)
     # Groups started on version v take longer than step v + 1 does: its update interrupts and resubmits them.
     assert loads[-1]["interrupted"] > 0
     loaded = torch.load(tmp_path / "engine-0-weights.pt")
     trained = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
-    assert sorted(loaded) == sorted(set(trained) - {"lm_head.weight"})  # tied: SGLang's lm_head is embed_tokens
+    # tied: SGLang's lm_head is embed_tokens
+    assert sorted(loaded) == sorted(set(trained) - {"lm_head.weight"})
     assert all(torch.equal(loaded[name], trained[name].to(torch.bfloat16)) for name in loaded)
     initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    assert not all(torch.equal(loaded[name], initial[name].to(torch.bfloat16)) for name in loaded)  # it learned
+    # it learned
+    assert not all(torch.equal(loaded[name], initial[name].to(torch.bfloat16)) for name in loaded)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
@@ -94,7 +97,8 @@ def test_train_py_runs_the_gpu_plan_on_the_cpu(tiny_model_dir, tmp_path, lora):
                        "cluster.threads_per_process=1", "steps=3", "max_staleness=0", "eval.max_examples=3",
                        *TINY, *(["train.lora.rank=4", "algo=tb"] if lora else []), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "gpu plan on the cpu: generation: 1 engine(s)" in result.stdout and "engine: builtin" in result.stdout
+    assert "gpu plan on the cpu: generation: 1 engine(s)" in result.stdout \
+        and "engine: builtin" in result.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_examples"] == 3
     assert all(r["staleness_max"] == 0 and r["staleness/dropped_groups"] == 0 for r in rows)
@@ -103,12 +107,14 @@ def test_train_py_runs_the_gpu_plan_on_the_cpu(tiny_model_dir, tmp_path, lora):
     assert (checkpoint / "adapter" / "adapter_model.safetensors").exists() == lora
 
 
-# ---- the GPU policy's layouts: shared-prompt rows under a masked attention, separate sequences under flash-attn ----
+# ---- the GPU policy's layouts: shared-prompt rows under a masked attention, separate sequences under
+# flash-attn ----
 
 @pytest.mark.parametrize("attn, varlen", [("sdpa", False), ("eager", False), ("flash_attention_2", True)])
-def test_the_gpu_policy_keeps_the_shared_prompt_layout_unless_the_kernel_takes_no_mask(attn, varlen, monkeypatch):
-    """The prompt is computed once per group (the CPU policy's layout) wherever the attention takes a mask; only
-    flash-attn's variable-length kernel gets each completion as its own sequence."""
+def test_the_gpu_policy_keeps_the_shared_prompt_layout_unless_the_kernel_takes_no_mask(attn, varlen,
+                                                                                       monkeypatch):
+    """The prompt is computed once per group (the CPU policy's layout) wherever the attention takes a mask;
+    only flash-attn's variable-length kernel gets each completion as its own sequence."""
     import trainer.gpu_policy as gpu_policy
 
     lm = tiny_lm(tied=True).eval()
@@ -148,7 +154,8 @@ def test_varlen_logprobs_equal_shared_prompt_logprobs():
 
 
 def test_varlen_gradients_equal_shared_prompt_gradients():
-    """The varlen layout goes through the same chunked lm_head logprob (no [N, V] logits kept for backward)."""
+    """The varlen layout goes through the same chunked lm_head logprob (no [N, V] logits kept for
+    backward)."""
     batch = pack(_groups())
     inputs = (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 0.7)
     grads = []
@@ -161,10 +168,11 @@ def test_varlen_gradients_equal_shared_prompt_gradients():
 
 
 def test_the_training_benchmark_counts_the_attention_each_implementation_computes():
-    """bench/gpu_train.py: MFU counts the useful work (each prompt once, causal attention per sequence); HFU what
-    runs: under flash-attn prompts K times and causal blocks per sequence; under sdpa each prompt once and the
-    whole square of each group's row; a recomputed forward under checkpointing. Hand-computed: 10 parameters,
-    hidden 2, one layer, one group of K=2, prompt 1, completion 1 (sequences of 2, a group's row of 3)."""
+    """bench/gpu_train.py: MFU counts the useful work (each prompt once, causal attention per sequence); HFU
+    what runs: under flash-attn prompts K times and causal blocks per sequence; under sdpa each prompt once
+    and the whole square of each group's row; a recomputed forward under checkpointing. Hand-computed: 10
+    parameters, hidden 2, one layer, one group of K=2, prompt 1, completion 1 (sequences of 2, a group's row
+    of 3)."""
     from bench.gpu_train import flops
 
     assert flops(10, 2, 1, [1], 2, 1, 1, "flash_attention_2", False) == (180 + 48, 240 + 96)
@@ -181,11 +189,13 @@ def _needs(gpus):
 
 
 def _to_cuda(batch):
-    return [t.cuda() for t in (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets)]
+    return [t.cuda()
+            for t in (batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets)]
 
 
 def _publish_while_engine_syncs(publish, policy, engine, sync, version, trainer_gpu):
-    """Rank 0 ships in a thread (as its own process would) while the engine interrupts and loads. Seconds taken."""
+    """Rank 0 ships in a thread (as its own process would) while the engine interrupts and loads. Seconds
+    taken."""
     from trainer.policy import full_state
 
     def ship():
@@ -214,13 +224,15 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
     from trainer.gpu_policy import load_lm
 
     model_path = resolve("smollm2-135m")
-    plan = GPUPlan(plan_layout(num_gpus, gen_gpus=1, train_gpus=1, mem_fraction=mem_fraction), "ipc", bucket_mb=32,
-                   checkpointing=False, engine_kind="sglang", engine_dtype="bfloat16", device_type="cuda")
+    plan = GPUPlan(plan_layout(num_gpus, gen_gpus=1, train_gpus=1, mem_fraction=mem_fraction), "ipc",
+                   bucket_mb=32, checkpointing=False, engine_kind="sglang", engine_dtype="bfloat16",
+                   device_type="cuda")
     placement, trainer_gpu = plan.placement(0), plan.layout.train_gpus[0]
     placement.init_process_group(0, 1, free_port())
     weights = plan.weights(None)
     try:
-        # The engine first: SGLang sizes its KV cache from the memory free when it starts (the one-GPU layout).
+        # The engine first: SGLang sizes its KV cache from the memory free when it starts (the one-GPU
+        # layout).
         with plan.engine(0, max_batch=64, max_len=0, dtype="bfloat16").open(model_path, seed=0) as engine:
             sync = weights.follower(engine, 0)
             policy = placement.load(model_path, 1)
@@ -231,24 +243,29 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
                 logprobs = policy(*_to_cuda(batch), 1.0)
                 mask = batch.mask.cuda()
                 advantages = (batch.rewards - batch.rewards.mean()).cuda()[:, None]
-                (-(advantages * logprobs * mask).sum() / mask.sum() - (logprobs * mask).sum() / mask.sum()).backward()
+                (-(advantages * logprobs * mask).sum() / mask.sum()
+                 - (logprobs * mask).sum() / mask.sum()).backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                prompts = [list(range(10 + 7 * g, 30 + 7 * g)) for g in range(2)]  # two groups of four samples
+                # two groups of four samples
+                prompts = [list(range(10 + 7 * g, 30 + 7 * g)) for g in range(2)]
                 # A budget far longer than a weight update: every request is still running when the update
                 # lands (checked, not hoped for), so the rest of it is sampled under the new version.
                 requests = [Request(i, prompts[i // 4], SamplingParams(1.0, 1.0, 512)) for i in range(8)]
                 for r in requests:
                     engine.add(r)
                 done = engine.step()
-                assert engine.num_running() == len(requests) and not done, "requests finished before the update"
-                seconds, finished = _publish_while_engine_syncs(publish, policy, engine, sync, step, trainer_gpu)
+                assert engine.num_running() == len(requests) and not done, \
+                    "requests finished before the update"
+                seconds, finished = _publish_while_engine_syncs(publish, policy, engine, sync, step,
+                                                                trainer_gpu)
                 timings.append(seconds)
                 done += finished
                 while len(done) < len(requests):
                     done += engine.step()
                 done.sort(key=lambda c: c.request_id)
-                batch = pack([to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]], g, g, 0)
+                batch = pack([to_group(done[g:g + 4], [float(len(c.token_ids)) for c in done[g:g + 4]],
+                                       g, g, 0)
                               for g in (0, 4)])
                 assert set(batch.versions[batch.mask.bool()].tolist()) <= {step - 1, step}
                 with torch.no_grad():
@@ -256,10 +273,12 @@ def _job(num_gpus: int, mem_fraction: float, steps: int = 3):
                 fresh = batch.mask.bool() & (batch.versions == step)
                 assert fresh.any(), "no token was sampled under the new weights"
                 error = (current - batch.behav_logprobs)[fresh].abs().mean().item()
-                print(f"step {step}: weight sync {seconds * 1e3:.0f} ms, |SGLang - trainer| logprob {error:.4f}")
+                print(f"step {step}: weight sync {seconds * 1e3:.0f} ms, "
+                      f"|SGLang - trainer| logprob {error:.4f}")
                 assert error < 0.05
         with torch.no_grad():  # negative control: the initial weights disagree with the new tokens' logprobs
-            initial = GPUTokenLogprobs(load_lm(model_path, "sdpa").cuda())(*_to_cuda(batch), 1.0).float().cpu()
+            initial = (GPUTokenLogprobs(load_lm(model_path, "sdpa").cuda())(*_to_cuda(batch), 1.0)
+                       .float().cpu())
         stale = (initial - batch.behav_logprobs)[fresh].abs().mean().item()
         assert stale > 2 * error, (stale, error)
         assert max(timings) < 60
@@ -289,8 +308,8 @@ def test_gpu_two_gpu_job():
     (2, ("cluster=gpu8", "cluster.gen_gpus=1", "cluster.train_gpus=1")),
 ])
 def test_gpu_train_py_runs_a_few_steps(tiny_model_dir, tmp_path, monkeypatch, gpus, overrides, engine):
-    """The real entry point on the GPU plan: engine processes (built-in on CUDA, or SGLang), an FSDP2/NCCL trainer
-    rank, weights over CUDA IPC."""
+    """The real entry point on the GPU plan: engine processes (built-in on CUDA, or SGLang), an FSDP2/NCCL
+    trainer rank, weights over CUDA IPC."""
     from tests.helpers import TINY, run_train
 
     if torch.cuda.device_count() < gpus:
@@ -299,8 +318,8 @@ def test_gpu_train_py_runs_a_few_steps(tiny_model_dir, tmp_path, monkeypatch, gp
         pytest.importorskip("sglang")
     if gpus == 1:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU visible: the time-shared layout
-    result = run_train(tmp_path, *overrides, f"rollout.engine={engine}", f"model.path={tiny_model_dir}", "steps=3",
-                       "eval.max_examples=4", *TINY, timeout=900)
+    result = run_train(tmp_path, *overrides, f"rollout.engine={engine}", f"model.path={tiny_model_dir}",
+                       "steps=3", "eval.max_examples=4", *TINY, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gpu plan: generation: 1 engine(s)" in result.stdout and f"engine: {engine}" in result.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -1,5 +1,5 @@
-"""No silent hang: heartbeats (runtime/heartbeat.py), the supervisor's watch of them (launch/supervisor.py), and
-what a run does with a stuck process; a full disk at a checkpoint and the out-of-memory killer's kill."""
+"""No silent hang: heartbeats (runtime/heartbeat.py), the supervisor's watch of them (launch/supervisor.py),
+and what a run does with a stuck process; a full disk at a checkpoint and the out-of-memory killer's kill."""
 import errno
 import json
 import os
@@ -32,8 +32,8 @@ def test_a_beat_older_than_its_phase_allows_is_stuck():
     assert hearts.stuck(allowance, now=time.monotonic() + 500) == []
     trainer.post_step(7)
     assert hearts.step("trainer-0") == 7 and hearts.phase("trainer-0") == "done"
-    assert set(PHASES) >= {"generate", "wait_gate", "ring_put", "load_weights", "train_step", "publish", "evaluate",
-                           "checkpoint", "collective"}
+    assert set(PHASES) >= {"generate", "wait_gate", "ring_put", "load_weights", "train_step", "publish",
+                           "evaluate", "checkpoint", "collective"}
 
 
 def test_beats_cross_spawn():
@@ -87,7 +87,8 @@ def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
     hearts = Heartbeats(["rollout-0"])
     sup = Supervisor(str(tmp_path / "stacks"), hearts, Allowance(hang_s=1.0, slow_s=1.0, start_s=4.0))
     try:
-        sup.start("rollout-0", _a_function_that_never_returns, {}, 1, essential=True)  # never beats: stays in "start"
+        # never beats: stays in "start"
+        sup.start("rollout-0", _a_function_that_never_returns, {}, 1, essential=True)
         time.sleep(2.0)
         assert not sup.ended()  # start-up may take longer than hang_timeout_s
         assert sup.watch().startswith("rollout-0 stuck in start for ")
@@ -96,8 +97,9 @@ def test_a_process_stuck_at_start_is_caught_by_the_slow_allowance(tmp_path):
 
 
 def _trainer_that_finishes_then_lingers(hearts, finished, hang_s, worker_pid):
-    """Marks the last step taken, then checkpoints (a slow phase) until rollout-0 is stopped and has gone without
-    a beat for three times its allowance: long enough for a watch that still checked it to have killed it."""
+    """Marks the last step taken, then checkpoints (a slow phase) until rollout-0 is stopped and has gone
+    without a beat for three times its allowance: long enough for a watch that still checked it to have killed
+    it."""
     heart = hearts.of("trainer-0")
     heart.beat("train_step")
     finished.set()
@@ -138,7 +140,8 @@ def test_after_the_last_step_a_stopped_worker_is_neither_dumped_nor_killed_nor_r
         sup.start("rollout-0", _worker_that_stops_after_the_last_step,
                   dict(hearts=hearts, finished=sup.finished, stop=sup.stop, worker_pid=worker_pid), 1)
         sup.start("trainer-0", _trainer_that_finishes_then_lingers,
-                  dict(hearts=hearts, finished=sup.finished, hang_s=1.0, worker_pid=worker_pid), 1, essential=True)
+                  dict(hearts=hearts, finished=sup.finished, hang_s=1.0, worker_pid=worker_pid),
+                  1, essential=True)
         outcome = sup.watch(on_failure=lambda name, message: failures.append(message))
     finally:
         late = sup.shutdown(grace=20)
@@ -168,9 +171,10 @@ def test_the_shutdown_names_what_it_had_to_kill():
 
 
 def test_the_shutdown_removes_the_cuda_ipc_files_its_processes_leave(tmp_path):
-    """A process that shared CUDA memory leaves the driver's cuda.shm.<n>.<pid in hex>.<n> even after a clean exit,
-    and torch's torch_<pid>_<n>_<n> after an exit without teardown (both seen on an H200, scripts/gpu_check.py):
-    the shutdown removes those of the processes it started, killed ones too, and nobody else's."""
+    """A process that shared CUDA memory leaves the driver's cuda.shm.<n>.<pid in hex>.<n> even after a clean
+    exit, and torch's torch_<pid>_<n>_<n> after an exit without teardown (both seen on an H200,
+    scripts/gpu_check.py): the shutdown removes those of the processes it started, killed ones too, and nobody
+    else's."""
     sup = Supervisor()
     other = f"cuda.shm.0.{os.getpid():x}.1"  # this process is alive: its file is not the shutdown's to remove
     open(f"/dev/shm/{other}", "w").close()
@@ -212,11 +216,12 @@ def test_a_kill_nobody_asked_for_is_reported_as_probably_out_of_memory():
         message = sup.watch()
     finally:
         sup.shutdown()
-    assert message == ("rollout-0 died (killed by SIGKILL: probably the kernel's out-of-memory killer; the run's "
-                       "processes used up to 5,915 MB)")
+    assert message == ("rollout-0 died (killed by SIGKILL: probably the kernel's out-of-memory killer; "
+                       "the run's processes used up to 5,915 MB)")
 
 
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_previous_one(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_previous_one(tiny_model_dir, tmp_path,
+                                                                            monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -249,7 +254,8 @@ HANG = ("cluster.hang_timeout_s=5", "eval.every=0", "progress=false")
 
 
 def _start(run_dir, model_dir, *overrides, steps=1000, first_row=True):
-    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *HANG, *overrides),
+    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *HANG,
+                                      *overrides),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=die_with_parent)
     if first_row:
@@ -307,9 +313,10 @@ def _summary(run_dir):
 
 
 def test_a_stopped_rollout_worker_is_named_dumped_replaced_and_the_run_finishes(tiny_model_dir, tmp_path):
-    """The stop lands where the run cannot finish without a restart, whatever this machine's speed: trainer-0 is
-    held while rollout-0 is stopped, so the rows written then bound what the worker can have started (the gate:
-    (max_staleness + version + 1) * B groups, version <= rows + 1), hence the steps the trainer can take."""
+    """The stop lands where the run cannot finish without a restart, whatever this machine's speed: trainer-0
+    is held while rollout-0 is stopped, so the rows written then bound what the worker can have started (the
+    gate: (max_staleness + version + 1) * B groups, version <= rows + 1), hence the steps the trainer can
+    take."""
     steps, eta = 10, 1
     proc = _start(tmp_path, tiny_model_dir, f"max_staleness={eta}", "cluster.max_restarts=1", steps=steps,
                   first_row=False)
@@ -333,7 +340,8 @@ def test_a_stopped_rollout_worker_is_named_dumped_replaced_and_the_run_finishes(
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert max(r["staleness_max"] for r in rows) <= eta and rows[-1]["rollout/restarts"] == 1
     summary = _summary(tmp_path)
-    assert summary["rollout/restarts"] == 1 and summary["rollout/lost_groups"] == rows[-1]["rollout/lost_groups"]
+    assert summary["rollout/restarts"] == 1 \
+        and summary["rollout/lost_groups"] == rows[-1]["rollout/lost_groups"]
 
 
 def test_a_worker_stopped_after_the_last_step_is_not_restarted_and_the_counts_agree(tiny_model_dir, tmp_path):
@@ -384,10 +392,12 @@ def test_a_stopped_trainer_stops_the_run_in_one_line_and_keeps_its_checkpoint(ti
 
 
 def test_a_worker_stuck_before_its_first_group_stops_the_run_and_is_not_restarted(tiny_model_dir, tmp_path):
-    proc = _start(tmp_path, tiny_model_dir, "cluster.start_timeout_s=10", "cluster.max_restarts=3", first_row=False)
+    proc = _start(tmp_path, tiny_model_dir, "cluster.start_timeout_s=10", "cluster.max_restarts=3",
+                  first_row=False)
     os.kill(_process(proc, "rollout-0"), signal.SIGSTOP)  # at once: still loading its tokenizer, task, engine
     stderr = _stderr_at_end(proc)
     assert proc.returncode == 1
-    # in `start` unless this machine got it through start-up before the stop landed; never restarted either way
+    # in `start` unless this machine got it through start-up before the stop landed; never restarted either
+    # way
     assert "error: rollout-0 stuck in " in stderr and "restarting" not in stderr, stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not _rows(tmp_path)

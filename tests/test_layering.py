@@ -7,8 +7,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONCRETE_ENGINES = ("engines.builtin", "engines.sampler", "engines.llama", "engines.sglang", "engines.weights",
-                    "engines.weight_sync")
+CONCRETE_ENGINES = ("engines.builtin", "engines.sampler", "engines.llama", "engines.sglang",
+                    "engines.weights", "engines.weight_sync")
 
 
 def _sources(folder_or_file: str) -> list[str]:
@@ -44,12 +44,17 @@ RULES = [  # (files, what they must not import)
     ("tasks", ("trainer", "rollout", "evaluate", "launch", "runtime", "train")),
     ("train.py", CONCRETE_ENGINES),
     ("buffer", ("algos", "engines", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards")),
-    ("algos", ("buffer", "engines", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
-    ("engines", ("algos", "buffer", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
+    ("algos",
+     ("buffer", "engines", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
+    ("engines",
+     ("algos", "buffer", "trainer", "rollout", "evaluate", "launch", "runtime", "rewards", "tasks")),
     ("rewards", ("engines", "trainer", "buffer", "rollout", "launch", "runtime", "algos")),
-    ("envs", ("algos", "trainer", "rollout", "evaluate", "launch", "runtime", "tasks", "train") + CONCRETE_ENGINES),
-    ("registry.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
-    ("heap.py", ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
+    ("envs",
+     ("algos", "trainer", "rollout", "evaluate", "launch", "runtime", "tasks", "train") + CONCRETE_ENGINES),
+    ("registry.py",
+     ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
+    ("heap.py",
+     ("algos", "buffer", "engines", "trainer", "rollout", "evaluate", "launch", "rewards", "tasks")),
     ("launch", CONCRETE_ENGINES[:3] + ("engines.hf",)),  # engines are found by name (engines.ENGINES)
 ]
 
@@ -91,8 +96,8 @@ def test_the_code_passes_the_linter():
 
 
 def test_the_launcher_asks_an_engine_s_spec_and_never_names_one():
-    """launch/ and train.py decide by what an engine's spec says it can do (engines/base.py EngineSpec): no string
-    in their code is an engine's name."""
+    """launch/ and train.py decide by what an engine's spec says it can do (engines/base.py EngineSpec): no
+    string in their code is an engine's name."""
     from engines import ENGINES
 
     names = set(ENGINES.names())

@@ -1,4 +1,5 @@
-"""MetricsLogger's promises: every row in metrics.jsonl, the backends get the numbers, the console stays readable."""
+"""MetricsLogger's promises: every row in metrics.jsonl, the backends get the numbers, the console stays
+readable."""
 import glob
 import io
 import json
@@ -58,7 +59,8 @@ def test_unknown_backend_and_missing_package_fail_in_one_line(monkeypatch, tmp_p
 def test_tensorboard_events_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with MetricsLogger(str(tmp_path), "tensorboard", steps=3, progress=False, config={"max_staleness": 2}) as log:
+    with MetricsLogger(str(tmp_path), "tensorboard", steps=3, progress=False,
+                       config={"max_staleness": 2}) as log:
         for step in (1, 2, 3):
             log.log(_row(step))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -72,7 +74,8 @@ def test_tensorboard_events_read_back(tmp_path):
 
 def test_wandb_offline_run_is_written_under_the_run_dir_and_its_service_stops(monkeypatch, tmp_path):
     for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_INIT_TIMEOUT": "60",
-                       "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+                       "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                       "WANDB_CACHE_DIR": str(tmp_path / "cache"),
                        "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
@@ -93,7 +96,8 @@ def test_wandb_offline_run_is_written_under_the_run_dir_and_its_service_stops(mo
 
 
 def _wandb_history(path) -> list[dict]:
-    """The logged rows of a W&B transaction log: LevelDB-log framed `Record` protobufs after a 7-byte header."""
+    """The logged rows of a W&B transaction log: LevelDB-log framed `Record` protobufs after a 7-byte
+    header."""
     from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
@@ -112,7 +116,8 @@ def _wandb_history(path) -> list[dict]:
             record.ParseFromString(chunk)
             chunk = b""
             if record.WhichOneof("record_type") == "history":
-                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                for i in record.history.item})
     return history
 
 

@@ -1,5 +1,5 @@
-"""LoRA training: only the adapters learn, the reference is the base with them off, engines and checkpoints get
-W + (alpha / r) B A, and a checkpoint's adapter reloads onto the base."""
+"""LoRA training: only the adapters learn, the reference is the base with them off, engines and checkpoints
+get W + (alpha / r) B A, and a checkpoint's adapter reloads onto the base."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -102,9 +102,11 @@ def test_a_checkpoint_is_the_merged_model_and_its_adapter_resumes(tiny_model_dir
     resumed = _learner(tiny_model_dir, init_path=path)
     batch = pack(_groups(seed=1))
     with torch.no_grad():
-        torch.testing.assert_close(resumed.policy(*_inputs(batch)), learner.policy(*_inputs(batch)), atol=1e-6, rtol=0)
+        torch.testing.assert_close(resumed.policy(*_inputs(batch)), learner.policy(*_inputs(batch)),
+                                   atol=1e-6, rtol=0)
+        # the reference stays the base, not the merged checkpoint
         torch.testing.assert_close(resumed.reference(*_inputs(batch)), learner.reference(*_inputs(batch)),
-                                   atol=1e-6, rtol=0)  # the reference stays the base, not the merged checkpoint
+                                   atol=1e-6, rtol=0)
 
 
 def test_adapters_off_restores_training_mode(tiny_model_dir):
@@ -116,8 +118,8 @@ def test_adapters_off_restores_training_mode(tiny_model_dir):
 
 def test_unknown_target_modules_are_one_line(tiny_model_dir):
     with pytest.raises(ValueError, match=r"train.lora.target_modules=\['nope'\]"):
-        add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(rank=2, target_modules=["nope"]),
-                     torch.float32)
+        add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                     LoraConfig(rank=2, target_modules=["nope"]), torch.float32)
 
 
 def test_a_lora_run_trains_publishes_merged_weights_and_checkpoints_the_adapter(tiny_model_dir, tmp_path):
@@ -125,9 +127,9 @@ def test_a_lora_run_trains_publishes_merged_weights_and_checkpoints_the_adapter(
 
     from tests.helpers import TINY, run_train
 
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", *TINY, "steps=2", "algo=tb", "train.lora.rank=4",
-                       "train.lr=1e-2", "rollout.dtype=float32", "train.autocast=none", "max_staleness=0",
-                       "task.reward=tests.toy_rewards:length_parity")
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", *TINY, "steps=2", "algo=tb",
+                       "train.lora.rank=4", "train.lr=1e-2", "rollout.dtype=float32", "train.autocast=none",
+                       "max_staleness=0", "task.reward=tests.toy_rewards:length_parity")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -154,15 +156,18 @@ def test_the_gpu_weight_path_plans_the_merged_weights_a_lora_policy_streams(tiny
     from engines.weight_sync import GPUWeights, receive_version
     from trainer.policy import TokenLogprobs
 
-    policy = TokenLogprobs(add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA, torch.float32))
+    policy = TokenLogprobs(add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA,
+                                        torch.float32))
     _perturb_adapters(policy.lm)
     assert any(".base_layer." in n for n in policy.state_dict())  # peft's names are not what gets streamed
-    engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), max_batch=4, max_len=32, seed=0)
-    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads, "ipc",
-                      1 << 14, torch.float32)
+    engine = BuiltinEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), max_batch=4, max_len=32,
+                           seed=0)
+    path = GPUWeights(WeightChannel(1, mp.get_context("spawn")), [1], BuiltinEngineSpec.bucket_payloads,
+                      "ipc", 1 << 14, torch.float32)
     try:
         path.follower(engine, 0)
-        sync = functools.partial(receive_version, engine, path.channel, 0, timeout_s=30)  # fails, not hangs, if cut
+        # fails, not hangs, if cut
+        sync = functools.partial(receive_version, engine, path.channel, 0, timeout_s=30)
         publish = path.publisher(policy, True, None)
         errors = []
 

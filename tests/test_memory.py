@@ -26,11 +26,13 @@ def test_tree_memory_counts_children():
 
 
 def test_a_named_grandchild_is_counted_under_its_name():
-    # launcher -> forkserver -> worker: the worker's memory goes under its name, the forkserver's under "other"
+    # launcher -> forkserver -> worker: the worker's memory goes under its name, the forkserver's under
+    # "other"
     holder = ("import sys; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
               "print('ready', flush=True); sys.stdin.read()")
     middle = subprocess.Popen([sys.executable, "-c",
-                               "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                               "import subprocess, sys; "
+                               "c = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
                                "print(c.pid, flush=True); c.wait()", holder],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -39,7 +41,8 @@ def test_a_named_grandchild_is_counted_under_its_name():
         parts = tree_pss_parts_mb({grandchild: "holder"})
         assert parts["holder"] > 190 and parts["other"] > 0  # "other": the middle process, among others
         assert abs(sum(parts.values()) - tree_pss_mb(os.getpid())) < 20
-        assert tree_peak_rss_mb() >= tree_peak_rss_mb(grandchild) > 190  # the tree's largest sees the grandchild
+        # the tree's largest sees the grandchild
+        assert tree_peak_rss_mb() >= tree_peak_rss_mb(grandchild) > 190
     finally:
         middle.stdin.close()
         middle.wait()

@@ -1,4 +1,5 @@
-"""train.minibatches, train.epochs and the off-policy diagnostics: the Learner against loops written out by hand."""
+"""train.minibatches, train.epochs and the off-policy diagnostics: the Learner against loops written out by
+hand."""
 import math
 
 import pytest
@@ -48,21 +49,22 @@ def _behaviour(model_dir, batch, noise=0.3, seed=1):
 
 
 def _learner(model_dir, algo, minibatches, lr=1e-2, rollout=None, epochs=1, entropy_coef=0.0):
-    train = TrainConfig(batch_groups=4, minibatches=minibatches, epochs=epochs, micro_tokens=0, lr=lr, grad_clip=1.0,
-                        autocast="none", entropy_coef=entropy_coef)
+    train = TrainConfig(batch_groups=4, minibatches=minibatches, epochs=epochs, micro_tokens=0, lr=lr,
+                        grad_clip=1.0, autocast="none", entropy_coef=entropy_coef)
     return Learner(model_path=model_dir, train=train, algo=algo,
                    rollout=rollout or RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
 
 
 def _hand_loop(model_dir, batch, algo, minibatches, lr=1e-2, epochs=1, entropy_coef=0.0):
-    """What train.minibatches = M and train.epochs = E mean, written out: proximal logprobs of every minibatch at
-    the starting weights (with M = 1, the first forward's own), then E times over the minibatches a forward, the
-    rule's loss normalised by that minibatch (and train.entropy_coef's - coef x its token-mean entropy), clip,
-    AdamW; the embeddings (and the head tied to them) frozen, as train.freeze_embeddings' default."""
+    """What train.minibatches = M and train.epochs = E mean, written out: proximal logprobs of every minibatch
+    at the starting weights (with M = 1, the first forward's own), then E times over the minibatches a
+    forward, the rule's loss normalised by that minibatch (and train.entropy_coef's - coef x its token-mean
+    entropy), clip, AdamW; the embeddings (and the head tied to them) frozen, as train.freeze_embeddings'
+    default."""
     policy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     policy.lm.get_input_embeddings().requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
-                                  fused=True)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=0.0, fused=True)
     loss_fn = algos.get(algo.name).Loss(algo)
     size = batch.num_groups // minibatches
     parts = [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
@@ -105,15 +107,16 @@ def test_minibatch_steps_match_the_hand_written_loop(tiny_model_dir, minibatches
         else:
             assert torch.allclose(got[name], value, atol=1e-6, rtol=1e-5), name
     start = dict(TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir)).named_parameters())
-    assert sum(not torch.equal(got[name], start[name]) for name in want) > len(want) // 2  # the steps moved them
+    # the steps moved them
+    assert sum(not torch.equal(got[name], start[name]) for name in want) > len(want) // 2
     assert metrics["train/tokens"] == epochs * batch.num_tokens  # the tokens the learner computed
 
 
 @pytest.mark.parametrize("minibatches,coef", [(1, -0.5), (2, 0.3)])
 def test_an_entropy_term_matches_the_hand_written_loop(tiny_model_dir, minibatches, coef):
-    """train.entropy_coef: each minibatch's loss gets - coef x its token-mean entropy, with the gradient; the steps
-    are the hand loop's with that term, not those without it, and `loss/entropy` is the term (at M = 1, the entropy
-    of the weights before the step)."""
+    """train.entropy_coef: each minibatch's loss gets - coef x its token-mean entropy, with the gradient; the
+    steps are the hand loop's with that term, not those without it, and `loss/entropy` is the term (at M = 1,
+    the entropy of the weights before the step)."""
     batch = pack(_groups(4))
     _behaviour(tiny_model_dir, batch)
     algo = algos.get("ppo").Config()
@@ -127,20 +130,23 @@ def test_an_entropy_term_matches_the_hand_written_loop(tiny_model_dir, minibatch
     assert sum(not torch.allclose(want[name], without[name], atol=1e-4) for name in want) > len(want) // 2
     if minibatches == 1:
         with torch.no_grad():
-            _, entropy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir))(*_inputs(batch), True)
+            _, entropy = TokenLogprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir))(
+                *_inputs(batch), True)
         term = -coef * float((entropy * batch.mask).sum() / batch.mask.sum())
         assert metrics["loss/entropy"] == pytest.approx(term, rel=1e-5) and abs(term) > 0.1
 
 
 def test_four_minibatches_separate_the_three_policies(tiny_model_dir):
-    """Decoupled PPO with M = 4: after the first update, current != proximal != behaviour, and the ratio clips."""
+    """Decoupled PPO with M = 4: after the first update, current != proximal != behaviour, and the ratio
+    clips."""
     batch = pack(_groups(4))
     _behaviour(tiny_model_dir, batch)
     learner = _learner(tiny_model_dir, algos.get("ppo").Config(), minibatches=4, lr=0.05)
     seen, loss_fn = [], learner.loss_fn
 
     def recording(mb):
-        seen.append((mb.logprobs.detach().clone(), mb.prox_logprobs.clone(), mb.behav_logprobs.clone(), mb.mask))
+        seen.append((mb.logprobs.detach().clone(), mb.prox_logprobs.clone(), mb.behav_logprobs.clone(),
+                     mb.mask))
         return loss_fn(mb)
 
     learner.loss_fn = recording
@@ -153,7 +159,8 @@ def test_four_minibatches_separate_the_three_policies(tiny_model_dir):
         on = mask.bool()
         assert (current - prox)[on].abs().min() > 0 and (prox - behav)[on].abs().min() > 0
     assert metrics["ppo/clip_frac"] > 0
-    assert metrics["ppo/clip_frac"] == pytest.approx(metrics["ppo/clip_frac_low"] + metrics["ppo/clip_frac_high"])
+    assert metrics["ppo/clip_frac"] \
+        == pytest.approx(metrics["ppo/clip_frac_low"] + metrics["ppo/clip_frac_high"])
 
 
 def test_one_minibatch_has_no_clipping_and_no_extra_pass(tiny_model_dir):
@@ -167,8 +174,9 @@ def test_one_minibatch_has_no_clipping_and_no_extra_pass(tiny_model_dir):
 
 
 def test_a_second_epoch_clips_against_the_first_forward_and_adds_no_pass(tiny_model_dir):
-    """Decoupled PPO with M = 1, E = 2: the first epoch runs on the proximal weights (its forward is pi_prox, no
-    extra pass), the second on weights one update on, so its ratio leaves 1 and clips; metrics are the means."""
+    """Decoupled PPO with M = 1, E = 2: the first epoch runs on the proximal weights (its forward is pi_prox,
+    no extra pass), the second on weights one update on, so its ratio leaves 1 and clips; metrics are the
+    means."""
     batch = pack(_groups(4))
     _behaviour(tiny_model_dir, batch)
     learner = _learner(tiny_model_dir, algos.get("ppo").Config(), minibatches=1, lr=0.05, epochs=2)
@@ -201,7 +209,8 @@ def test_minibatches_must_divide_the_batch_and_the_ranks():
         TrainConfig(epochs=0).check()
     cfg = Config(train=TrainConfig(batch_groups=4, minibatches=4), cluster=ClusterConfig(trainer_ranks=2,
                                                                                         oversubscribe=True))
-    with pytest.raises(ValueError, match=r"must be divisible by cluster.trainer_ranks=2 times train.minibatches=4"):
+    with pytest.raises(ValueError,
+                       match=r"must be divisible by cluster.trainer_ranks=2 times train.minibatches=4"):
         cfg.check()
 
 
@@ -251,7 +260,8 @@ def test_head_entropy_is_the_entropy_of_the_full_softmax(tiny_model_dir):
 
 
 def test_mismatch_is_zero_when_the_engine_sampled_with_the_trainers_weights(tiny_model_dir):
-    """Fresh tokens whose behaviour logprobs are the trainer's own: no mismatch; marked older: the off-policy keys."""
+    """Fresh tokens whose behaviour logprobs are the trainer's own: no mismatch; marked older: the off-policy
+    keys."""
     for minibatches in (1, 2):
         batch = pack(_groups(4))
         batch.behav_logprobs = _behaviour(tiny_model_dir, batch, noise=0.0)
@@ -303,8 +313,8 @@ def test_warmup_ramps_the_learning_rate_and_adam_takes_its_betas_and_eps(tiny_mo
     _behaviour(tiny_model_dir, batch)
     algo = algos.get("ppo").Config()
     want = _hand_loop(tiny_model_dir, batch, algo, 1, lr=1e-2 / 4)  # step 1 of a 3-step warm-up: lr / 4
-    train = TrainConfig(batch_groups=4, micro_tokens=0, lr=1e-2, grad_clip=1.0, autocast="none", warmup_steps=3,
-                        adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6)
+    train = TrainConfig(batch_groups=4, micro_tokens=0, lr=1e-2, grad_clip=1.0, autocast="none",
+                        warmup_steps=3, adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6)
     learner = Learner(model_path=tiny_model_dir, train=train, algo=algo,
                       rollout=RolloutConfig(group_size=K, max_new_tokens=STEPS, temperature=1.0))
     group = learner.optimizer.param_groups[0]
@@ -314,7 +324,8 @@ def test_warmup_ramps_the_learning_rate_and_adam_takes_its_betas_and_eps(tiny_mo
     assert [learner.learning_rate(s) for s in (3, 4, 5, 6, 8, 9, 50)] == pytest.approx(
         [7.5e-3, 1e-2, 8e-3, 6e-3, 2e-3, 2e-3, 2e-3], abs=1e-12)
     train.warmup_steps = 0  # without a warm-up the decay starts at step 1
-    assert [learner.learning_rate(s) for s in (1, 3, 5, 6)] == pytest.approx([1e-2, 6e-3, 2e-3, 2e-3], abs=1e-12)
+    assert [learner.learning_rate(s) for s in (1, 3, 5, 6)] \
+        == pytest.approx([1e-2, 6e-3, 2e-3, 2e-3], abs=1e-12)
     train.warmup_steps, train.decay_steps = 3, 0
     train.adam_beta1, train.adam_beta2, train.adam_eps = 0.9, 0.999, 1e-8  # as the hand loop's AdamW
     learner = Learner(model_path=tiny_model_dir, train=train, algo=algo,

@@ -1,5 +1,6 @@
-"""The models ringrl runs: Qwen3 and Llama 3.x on the engine's fast path, every other causal LM on the fallback,
-each against the Hugging Face forward; the trainer on any of them; refusals at start; chat-template options."""
+"""The models ringrl runs: Qwen3 and Llama 3.x on the engine's fast path, every other causal LM on the
+fallback, each against the Hugging Face forward; the trainer on any of them; refusals at start; chat-template
+options."""
 import json
 
 import pytest
@@ -36,7 +37,8 @@ def test_sampled_logprobs_match_the_hf_forward(kind):
 def test_the_fallback_samples_what_the_fast_path_samples(model_kind="qwen3"):
     model = tiny_model(model_kind)
     prompts = random_prompts([3, 12, 7, 12], vocab=512)
-    requests = [Request(i, p, SamplingParams(temperature=0.9, max_new_tokens=9)) for i, p in enumerate(prompts)]
+    requests = [Request(i, p, SamplingParams(temperature=0.9, max_new_tokens=9))
+                for i, p in enumerate(prompts)]
     fast = BuiltinEngine(model, max_batch=2, max_len=32, seed=4)
     slow = BuiltinEngine(model, max_batch=2, max_len=32, seed=4, fallback=True)
     assert type(fast.model) is Llama and type(slow.model) is HFForward
@@ -82,7 +84,8 @@ def test_paths_and_refusals_are_decided_from_the_config():
     gemma3 = AutoConfig.for_model("gemma3_text", final_logit_softcapping=None, num_hidden_layers=6)
     with pytest.raises(ValueError, match="sliding_attention layers"):
         engine_path(gemma3)
-    for kind in ("mistral", "phi3"):  # a window as long as every sequence is full attention; a shorter one is not
+    # a window as long as every sequence is full attention; a shorter one is not
+    for kind in ("mistral", "phi3"):
         windowed = AutoConfig.for_model(kind, sliding_window=64)
         assert engine_path(windowed, max_len=64)[0] == ("fast" if kind == "mistral" else "fallback")
         with pytest.raises(ValueError, match="sliding window of 64 tokens < max_len=65"):
@@ -131,8 +134,8 @@ def _rows(run_dir):
 
 @pytest.mark.parametrize("kind, line", [("qwen3", "engine: fast path (Qwen3ForCausalLM)"),
                                         ("gpt_neox", "engine: fallback (GPTNeoXForCausalLM)")])
-def test_a_tiny_model_trains_on_its_path_and_the_engine_logprobs_match_the_trainer(tmp_path, tokenizer_dir, kind,
-                                                                                  line):
+def test_a_tiny_model_trains_on_its_path_and_the_engine_logprobs_match_the_trainer(tmp_path, tokenizer_dir,
+                                                                                   kind, line):
     from tests.tiny_models import save_tiny
 
     model_dir = save_tiny(kind, str(tmp_path / kind), tokenizer_dir)
@@ -156,6 +159,6 @@ def test_a_model_that_is_not_a_causal_lm_stops_at_start_in_one_line(tmp_path, to
     result = _run(tmp_path, str(folder), "steps=2")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: model.path is a t5 model (T5ForConditionalGeneration), not a causal LM: ringrl trains decoder-only "
-        "models that AutoModelForCausalLM loads (Llama, Qwen, Mistral, Gemma, Phi, ...)"]
+        "error: model.path is a t5 model (T5ForConditionalGeneration), not a causal LM: ringrl trains "
+        "decoder-only models that AutoModelForCausalLM loads (Llama, Qwen, Mistral, Gemma, Phi, ...)"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing started

@@ -27,8 +27,8 @@ GSPO, CISPO = algos.get("gspo"), algos.get("cispo")
 # ---- GSPO ----
 
 def gspo_reference(mb, lo, hi, scale=True, old="behav_logprobs", c=None):
-    """s_i = exp(mean_t log pi/pi_old); l_i = -cbar_i min(s A, clip(s) A); L = sum_i l_i / n. Also the sequences
-    the clip cuts (s below lo with A < 0, above hi with A > 0) and the mean s."""
+    """s_i = exp(mean_t log pi/pi_old); l_i = -cbar_i min(s A, clip(s) A); L = sum_i l_i / n. Also the
+    sequences the clip cuts (s below lo with A < 0, above hi with A > 0) and the mean s."""
     lp, old_lp, n = rows(mb, "logprobs"), rows(mb, old), len(mb.rewards)
     adv = group_adv(mb.rewards.tolist(), scale)
     loss, grad, cut, ratios = 0.0, [[0.0] * T for _ in range(n)], 0, []
@@ -60,8 +60,8 @@ def test_gspo_matches_reference(cfg):
 
 
 def test_gspo_ratio_is_per_sequence_not_per_token():
-    """One token far off-policy moves its whole sequence's ratio by 1/|y_i| of its log-ratio, and every token of
-    the sequence gets the same gradient."""
+    """One token far off-policy moves its whole sequence's ratio by 1/|y_i| of its log-ratio, and every token
+    of the sequence gets the same gradient."""
     mb = make_mb(REWARDS)
     with torch.no_grad():
         mb.logprobs[0] = mb.behav_logprobs[0]
@@ -75,7 +75,8 @@ def test_gspo_with_correction_uses_proximal_and_the_mean_weight_of_each_sequence
     mb = off_policy_mb()
     c = correction_reference(mb, kind)
     want_loss, want_grad, _, _ = gspo_reference(mb, 0.95, 1.08, old="prox_logprobs", c=c)
-    assert GSPO.Loss(GSPO.Config(correction=kind)).needs_proximal and not GSPO.Loss(GSPO.Config()).needs_proximal
+    assert GSPO.Loss(GSPO.Config(correction=kind)).needs_proximal \
+        and not GSPO.Loss(GSPO.Config()).needs_proximal
     loss, grad, metrics = run(GSPO, mb, correction=kind, clip_eps=0.05, clip_eps_high=0.08)
     assert_close(loss, grad, want_loss, want_grad)
     assert any(k.startswith("correction/") for k in metrics)
@@ -84,7 +85,8 @@ def test_gspo_with_correction_uses_proximal_and_the_mean_weight_of_each_sequence
 # ---- CISPO ----
 
 def cispo_reference(mb, lo, hi, scale=True, old="behav_logprobs", c=None):
-    """L = -sum_it sg[clip(r_it, lo, hi)] A_i log pi(y_it) / batch_tokens; and the tokens clipped at the top."""
+    """L = -sum_it sg[clip(r_it, lo, hi)] A_i log pi(y_it) / batch_tokens; and the tokens clipped at the
+    top."""
     lp, old_lp, n = rows(mb, "logprobs"), rows(mb, old), len(mb.rewards)
     adv = group_adv(mb.rewards.tolist(), scale)
     loss, grad, top, weights = 0.0, [[0.0] * T for _ in range(n)], 0, []
@@ -121,7 +123,8 @@ def test_cispo_matches_reference(cfg):
 
 
 def test_cispo_clipped_tokens_keep_their_gradient_at_the_bound():
-    """Unlike the PPO clip (zero gradient once cut), a clipped token trains with its weight held at 1 + eps_high."""
+    """Unlike the PPO clip (zero gradient once cut), a clipped token trains with its weight held
+    at 1 + eps_high."""
     mb = far_off_policy_mb()
     adv = group_adv(REWARDS, scale=True)
     _, grad, _ = run(CISPO, mb)
@@ -136,7 +139,8 @@ def test_cispo_with_correction_uses_proximal_and_weights_each_token(kind):
     mb = off_policy_mb()
     c = correction_reference(mb, kind)
     want_loss, want_grad, _, _ = cispo_reference(mb, 0.8, 1.2, old="prox_logprobs", c=c)
-    assert CISPO.Loss(CISPO.Config(correction=kind)).needs_proximal and not CISPO.Loss(CISPO.Config()).needs_proximal
+    assert CISPO.Loss(CISPO.Config(correction=kind)).needs_proximal \
+        and not CISPO.Loss(CISPO.Config()).needs_proximal
     loss, grad, _ = run(CISPO, mb, correction=kind, clip_eps=0.2, clip_eps_high=0.2)
     assert_close(loss, grad, want_loss, want_grad)
 
@@ -149,7 +153,8 @@ BOTH = [("gspo", {}), ("gspo", {"clip_eps": 0.05, "clip_eps_high": 0.08}), ("gsp
 
 
 def extreme_mb(dtype, sign, masked_only=False):
-    """Log-ratios of +-100 against behav (and prox) in padding, and (unless masked_only) in two length-1 rows."""
+    """Log-ratios of +-100 against behav (and prox) in padding, and (unless masked_only) in two length-1
+    rows."""
     mb = make_mb([0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.2, 0.9, 0.4])
     lp = mb.logprobs.detach().clone()
     prox = mb.prox_logprobs.clone()
@@ -161,8 +166,9 @@ def extreme_mb(dtype, sign, masked_only=False):
             lp[i, 0] = mb.behav_logprobs[i, 0] + 100.0 * s * sign
             prox[i, 0] = mb.behav_logprobs[i, 0]
     cast = lambda x: x.to(dtype)  # noqa: E731
-    return dataclasses.replace(mb, logprobs=cast(lp).requires_grad_(True), behav_logprobs=cast(mb.behav_logprobs),
-                               mask=cast(mb.mask), rewards=cast(mb.rewards), ref_logprobs=cast(mb.ref_logprobs),
+    return dataclasses.replace(mb, logprobs=cast(lp).requires_grad_(True),
+                               behav_logprobs=cast(mb.behav_logprobs), mask=cast(mb.mask),
+                               rewards=cast(mb.rewards), ref_logprobs=cast(mb.ref_logprobs),
                                prox_logprobs=cast(prox))
 
 

@@ -30,11 +30,13 @@ def _rows(eta: int, evals: bool) -> list[dict]:
     rows = []
     for step in range(1, STEPS + 1):
         row = {"step": step, "time_s": 10.0 * step / (eta + 1), "reward_mean": 0.1 * step + 0.01 * eta,
-               "loss": 1.0 / step, "staleness_mean": min(step - 1, eta) / 2, "staleness_max": min(step - 1, eta),
+               "loss": 1.0 / step, "staleness_mean": min(step - 1, eta) / 2,
+               "staleness_max": min(step - 1, eta),
                "gen_tokens_per_s": 100.0 * (eta + 1) + step, "train_tokens_per_s": 50.0 + step,
                "reward/batch_mean": 0.5, "perf/train_step_s": 1.0, "grpo/clip_frac": 0.0}
         if evals and step % 4 == 0:
-            row.update({"eval_pass@1": 0.2 * step / 4 + 0.05 * eta, "eval_pass@k": 0.9, "eval_sample_reward": 0.4})
+            row.update({"eval_pass@1": 0.2 * step / 4 + 0.05 * eta, "eval_pass@k": 0.9,
+                        "eval_sample_reward": 0.4})
         rows.append(row)
     return rows
 
@@ -80,8 +82,8 @@ def _check_png(path, min_size=(800, 400)):
 
 
 def test_cli_on_a_sweep_draws_one_png_and_prints_the_table(sweep):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), sweep], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), sweep], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     _check_png(os.path.join(sweep, "sweep.png"))
     assert "last 25% of steps" in result.stdout

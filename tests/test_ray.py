@@ -1,6 +1,6 @@
-"""cluster=ray on a simulated two-node cluster on this machine (launch/ray_nodes.py, launch/agent.py): a trainer
-node and a generator node whose groups are forwarded to it. Needs the optional extra: pip install -r
-requirements-ray.txt."""
+"""cluster=ray on a simulated two-node cluster on this machine (launch/ray_nodes.py, launch/agent.py): a
+trainer node and a generator node whose groups are forwarded to it. Needs the optional extra:
+pip install -r requirements-ray.txt."""
 import json
 import os
 import shutil
@@ -24,18 +24,20 @@ def _without_ray(tmp_path) -> dict:
 
 
 def test_a_run_without_cluster_ray_never_imports_ray(tiny_model_dir, tmp_path):
-    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "steps=1", "eval.every=0",
-                                      "checkpoint.at_end=false", *TINY), cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env=_without_ray(tmp_path), preexec_fn=die_with_parent)
+    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "steps=1",
+                                      "eval.every=0", "checkpoint.at_end=false", *TINY), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=_without_ray(tmp_path),
+                            preexec_fn=die_with_parent)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_cluster_ray_without_ray_installed_says_how_to_install_it(tiny_model_dir, tmp_path):
-    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "cluster=ray", "steps=1",
-                                      *TINY), cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=_without_ray(tmp_path), preexec_fn=die_with_parent)
+    result = subprocess.run(train_cmd(tmp_path / "run", f"model.path={tiny_model_dir}", "cluster=ray",
+                                      "steps=1", *TINY), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=_without_ray(tmp_path), preexec_fn=die_with_parent)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == "error: cluster=ray needs Ray: pip install -r requirements-ray.txt"
+    assert result.stderr.strip().splitlines()[-1] \
+        == "error: cluster=ray needs Ray: pip install -r requirements-ray.txt"
 
 
 def _ray_processes() -> set[int]:
@@ -55,34 +57,38 @@ def _ray_processes() -> set[int]:
 
 def test_an_address_where_no_ray_answers_is_one_line(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "cluster.ray.address=127.0.0.1:1",
-                       "steps=1", *TINY, timeout=120)
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray",
+                       "cluster.ray.address=127.0.0.1:1", "steps=1", *TINY, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "error: cluster.ray.address=127.0.0.1:1: nothing answers there (Connection refused); start Ray there with")
+        "error: cluster.ray.address=127.0.0.1:1: nothing answers there (Connection refused); "
+        "start Ray there with")
 
 
 def test_the_join_command_fits_the_cluster_and_a_negative_wait_is_refused():
-    """What the lost-node warnings tell a user to run: `ray start` for a real cluster, with the generator nodes'
-    cores; scripts/ray_join.py for a simulated one (on the loopback, which `ray start` cannot join)."""
+    """What the lost-node warnings tell a user to run: `ray start` for a real cluster, with the generator
+    nodes' cores; scripts/ray_join.py for a simulated one (on the loopback, which `ray start` cannot join)."""
     from launch.ray_cluster import join_command
     from runtime.schema import RayConfig, RayNode
 
-    cfg = RayConfig(enabled=True, object_store_mb=128, nodes=[RayNode("trainer", 4, 0, 0, 1), RayNode(cores=2),
-                                                              RayNode(cores=8, rollout_workers=2)])
-    assert join_command(cfg, "10.0.0.1:6379", simulated=False) == "ray start --address=10.0.0.1:6379 --num-cpus=8"
+    cfg = RayConfig(enabled=True, object_store_mb=128,
+                    nodes=[RayNode("trainer", 4, 0, 0, 1), RayNode(cores=2),
+                           RayNode(cores=8, rollout_workers=2)])
+    assert join_command(cfg, "10.0.0.1:6379", simulated=False) \
+        == "ray start --address=10.0.0.1:6379 --num-cpus=8"
     assert join_command(cfg, "127.0.0.1:5000", simulated=True) == (
-        f"python -m scripts.ray_join --address=127.0.0.1:5000 --num-cpus=8 --object-store-memory={128 * 2**20}")
+        "python -m scripts.ray_join --address=127.0.0.1:5000 --num-cpus=8 "
+        f"--object-store-memory={128 * 2**20}")
     cfg.replace_timeout_s = -1
     with pytest.raises(ValueError, match="cluster.ray.replace_timeout_s"):
         cfg.check()
 
 
 def test_gloo_listens_on_the_interface_of_the_node_s_address(monkeypatch):
-    """Where the hostname resolves to the loopback, gloo would listen there and a generator node on another machine
-    could not join the weight broadcast (the two-network-stack test below failed so): gloo_on points it at the
-    interface of the node's Ray address, leaves a simulated cluster's loopback and a user's GLOO_SOCKET_IFNAME be,
-    and restores the environment after."""
+    """Where the hostname resolves to the loopback, gloo would listen there and a generator node on another
+    machine could not join the weight broadcast (the two-network-stack test below failed so): gloo_on points
+    it at the interface of the node's Ray address, leaves a simulated cluster's loopback and a user's
+    GLOO_SOCKET_IFNAME be, and restores the environment after."""
     from launch.ray_cluster import gloo_on, interface_of
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
@@ -91,7 +97,8 @@ def test_gloo_listens_on_the_interface_of_the_node_s_address(monkeypatch):
         assert "GLOO_SOCKET_IFNAME" not in os.environ
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the address this machine reaches others from
+    # the address this machine reaches others from
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the route, sends nothing
             address = s.getsockname()[0]
@@ -124,13 +131,15 @@ def test_a_generator_node_feeds_the_trainer_node(tiny_model_dir, tmp_path):
     assert max(r["staleness_max"] for r in rows) <= 1
     # the trainer node has no rollout worker (the preset): every group trained came from the generator node
     assert summary["ray/node1_groups"] >= 4 * 2 and summary["ray/node1_lost"] == 0
-    # its weights followed the trainer's: a new version went out after steps, and its tokens were sampled by them
+    # its weights followed the trainer's: a new version went out after steps, and its tokens were sampled by
+    # them
     assert summary["ray/broadcasts"] >= 2 and summary["ray/weights_version"] >= 2
     assert summary["ray/node1_newest_version"] >= 1
     # ... and each metrics row says how far the node had got: its groups never fall, and they fed every step
     groups = [r["ray/node1_groups"] for r in rows]
     assert groups == sorted(groups) and groups[-1] >= 4 * 2 and rows[-1]["ray/node1_lost"] == 0
-    assert rows[-1]["ray/broadcasts"] >= 2 and rows[-1]["ray/broadcast_s"] > 0 and rows[-1]["ray/node1_forward_s"] > 0
+    assert rows[-1]["ray/broadcasts"] >= 2 and rows[-1]["ray/broadcast_s"] > 0 \
+        and rows[-1]["ray/node1_forward_s"] > 0
     assert _ray_processes() <= ray_before and shm_files() <= before  # nothing left running, no shared memory
 
 
@@ -150,13 +159,14 @@ def _rows(metrics) -> int:
 
 def _fault_run(tmp_path, model_dir, nodes: str, kill, warning: str, worker: str, recover=None):
     """A long cluster=ray run: once the trainer has logged a step, `kill(pid of the generator node's worker)`;
-    once the run has said `warning` (and `recover(lines, wait_for)` has returned, if given) and trained two more
-    steps, Ctrl-C. Its stderr lines and summary. `recover` returns a function that ends what it started, called once
-    the run has stopped."""
+    once the run has said `warning` (and `recover(lines, wait_for)` has returned, if given) and trained two
+    more steps, Ctrl-C. Its stderr lines and summary. `recover` returns a function that ends what it started,
+    called once the run has stopped."""
     pytest.importorskip("ray")
     before, ray_before = shm_files(), _ray_processes()
-    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray", f"cluster.ray.nodes={nodes}",
-                                      "cluster.ray.call_timeout_s=30", "steps=1000", "max_staleness=1", "eval.every=0",
+    proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray",
+                                      f"cluster.ray.nodes={nodes}", "cluster.ray.call_timeout_s=30",
+                                      "steps=1000", "max_staleness=1", "eval.every=0",
                                       "checkpoint.at_end=false", *TINY),
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=die_with_parent)
@@ -207,7 +217,8 @@ def test_a_lost_generator_node_is_dropped_and_the_run_goes_on(tiny_model_dir, tm
     trainer node's own worker keeps the run going."""
     lines, summary = _fault_run(tmp_path, tiny_model_dir, "[{role: trainer, cores: 1, rollout_workers: 1, "
                                 "trainer_ranks: 1}, {role: generator, cores: 1}]", _kill_the_node,
-                                "warning: generator node 1 lost", "rollout-1")  # the trainer node's is rollout-0
+                                "warning: generator node 1 lost",
+                                "rollout-1")  # the trainer node's is rollout-0
     assert len([line for line in lines if line.startswith("warning: generator node 1 lost")]) == 1
     assert summary["ray/node1_lost"] == 1 and summary["ray/node1_restarts"] == 0
     assert summary["ray/node1_replacements"] == 0
@@ -215,13 +226,14 @@ def test_a_lost_generator_node_is_dropped_and_the_run_goes_on(tiny_model_dir, tm
 
 @pytest.mark.slow
 def test_a_machine_that_joins_replaces_a_lost_generator_node(tiny_model_dir, tmp_path):
-    """Nothing else generates (the trainer node has no rollout worker), so the run waits, in one warning line that
-    gives the command a new machine runs; a Ray node started with it (on this machine) takes the lost node's place
-    and the steps after it are trained on its groups."""
+    """Nothing else generates (the trainer node has no rollout worker), so the run waits, in one warning line
+    that gives the command a new machine runs; a Ray node started with it (on this machine) takes the lost
+    node's place and the steps after it are trained on its groups."""
     def join(lines, wait_for):
         (waiting,) = [line for line in lines if line.startswith("warning: every generator node is lost")]
         command = waiting.split("replace one: ", 1)[1].split()  # a simulated cluster's: scripts/ray_join.py
-        assert command[:3] == ["python", "-m", "scripts.ray_join"] and command[3].startswith("--address=127.0.0.1:")
+        assert command[:3] == ["python", "-m", "scripts.ray_join"] \
+            and command[3].startswith("--address=127.0.0.1:")
         node = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for(lambda: any(line.startswith("warning: generator node 1 replaced") for line in lines))
@@ -267,7 +279,8 @@ def _checkpointing_run(tmp_path, model_dir, stderr=subprocess.DEVNULL):
     proc = subprocess.Popen(train_cmd(tmp_path, f"model.path={model_dir}", "cluster=ray", "steps=1000",
                                       "max_staleness=1", "eval.every=0", "checkpoint.every=2",
                                       "checkpoint.at_end=false", *TINY),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True, preexec_fn=die_with_parent)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                            preexec_fn=die_with_parent)
     deadline = time.time() + 300  # a bound on a hang, not a timing: the wait is for a state
     while not (tmp_path / "checkpoints" / "step_2").exists():
         if proc.poll() is not None or time.time() > deadline:
@@ -286,7 +299,8 @@ def _nothing_left_and_resume_continues(tmp_path, shm_before, ray_before):
     while _ray_processes() - ray_before or ours() or not shm_files() <= shm_before:
         assert time.time() < deadline, (_ray_processes() - ray_before, ours(), shm_files() - shm_before)
         time.sleep(0.2)
-    done = max(int(name.split("_")[1]) for name in os.listdir(tmp_path / "checkpoints") if name.startswith("step_"))
+    done = max(int(name.split("_")[1])
+               for name in os.listdir(tmp_path / "checkpoints") if name.startswith("step_"))
     resumed = run_train(tmp_path, f"resume={tmp_path}", f"steps={done + 2}", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     with open(tmp_path / "metrics.jsonl") as f:
@@ -298,8 +312,8 @@ def _nothing_left_and_resume_continues(tmp_path, shm_before, ray_before):
 @pytest.mark.slow
 def test_a_lost_trainer_node_leaves_nothing_running_and_resume_continues(tiny_model_dir, tmp_path):
     """The trainer node's machine goes: its launcher killed, and with it the simulated cluster's head. Its own
-    processes die with it, the reaper (launch/reaper.py) ends the simulated nodes' daemons and the generator node's
-    agent and workers, and `resume=` continues from the last checkpoint, on a new cluster."""
+    processes die with it, the reaper (launch/reaper.py) ends the simulated nodes' daemons and the generator
+    node's agent and workers, and `resume=` continues from the last checkpoint, on a new cluster."""
     pytest.importorskip("ray")
     before, ray_before = shm_files(), _ray_processes()
     proc = _checkpointing_run(tmp_path, tiny_model_dir)
@@ -339,9 +353,10 @@ def _ip(*args: str) -> None:
 
 @pytest.fixture
 def two_hosts():
-    """Two network stacks on this machine, joined by a veth pair as two machines on one subnet are (each with its
-    own address, a default route through it, and the hostname still resolving to 127.0.0.1, as in many containers
-    and Debian's 127.0.1.1): (namespace, address) of machine A and of machine B. Needs root and iproute2."""
+    """Two network stacks on this machine, joined by a veth pair as two machines on one subnet are (each with
+    its own address, a default route through it, and the hostname still resolving to 127.0.0.1, as in many
+    containers and Debian's 127.0.1.1): (namespace, address) of machine A and of machine B. Needs root and
+    iproute2."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("needs root and iproute2 (network namespaces)")
     tag = f"rr{os.getpid() % 100000}"
@@ -367,11 +382,12 @@ def two_hosts():
 
 @pytest.mark.slow
 def test_the_readme_s_two_machine_commands_on_two_network_stacks(tiny_model_dir, tmp_path, two_hosts):
-    """The README's real-cluster commands on two machines' network stacks (network namespaces): `ray start --head`
-    on A, `ray start --address=A:6379` on B (one core each, to fit a 2-core box), then train.py on A with
-    cluster.ray.address=auto, and `ray stop` on both, as a user would (it stops every Ray process of the machine).
-    Unlike a simulated cluster, nothing is on the loopback: the generator node reaches the trainer node's Ray and
-    its gloo group at A's address (before launch/ray_cluster.py `gloo_on`, that group's init timed out here)."""
+    """The README's real-cluster commands on two machines' network stacks (network namespaces):
+    `ray start --head` on A, `ray start --address=A:6379` on B (one core each, to fit a 2-core box), then
+    train.py on A with cluster.ray.address=auto, and `ray stop` on both, as a user would (it stops every Ray
+    process of the machine). Unlike a simulated cluster, nothing is on the loopback: the generator node
+    reaches the trainer node's Ray and its gloo group at A's address (before launch/ray_cluster.py `gloo_on`,
+    that group's init timed out here)."""
     pytest.importorskip("ray")
     (a, a_ip), (b, _) = two_hosts
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -387,10 +403,12 @@ def test_the_readme_s_two_machine_commands_on_two_network_stacks(tiny_model_dir,
         assert head.returncode == 0, head.stderr[-3000:]
         node = on(b, *ray_cli, "start", f"--address={a_ip}:6379", "--num-cpus=1")
         assert node.returncode == 0, node.stderr[-3000:]
-        result = on(a, *train_cmd(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray", "cluster.ray.address=auto",
-                                  "cluster.ray.nodes=[{role: trainer, cores: 1, rollout_workers: 0, trainer_ranks: 1}, "
-                                  "{role: generator, cores: 1, rollout_workers: 1}]", "cluster.ray.call_timeout_s=60",
-                                  "steps=3", "max_staleness=1", "eval.every=0", "checkpoint.at_end=false", *TINY),
+        result = on(a, *train_cmd(tmp_path, f"model.path={tiny_model_dir}", "cluster=ray",
+                                  "cluster.ray.address=auto",
+                                  "cluster.ray.nodes=[{role: trainer, cores: 1, rollout_workers: 0, "
+                                  "trainer_ranks: 1}, {role: generator, cores: 1, rollout_workers: 1}]",
+                                  "cluster.ray.call_timeout_s=60", "steps=3", "max_staleness=1",
+                                  "eval.every=0", "checkpoint.at_end=false", *TINY),
                     timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
     finally:

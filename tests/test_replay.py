@@ -1,5 +1,5 @@
-"""The replay buffer keeps its promises: FIFO exactly once in order, TBA's fresh/replay mix and reward softmax,
-per-prompt capacity, de-duplication, well-formed replayed groups, age stats, config errors."""
+"""The replay buffer keeps its promises: FIFO exactly once in order, TBA's fresh/replay mix and reward
+softmax, per-prompt capacity, de-duplication, well-formed replayed groups, age stats, config errors."""
 import math
 
 import pytest
@@ -13,9 +13,11 @@ from runtime.schema import BufferConfig
 def _buffer(sampler: str = "fifo", seed: int = 0, **changes) -> ReplayBuffer:
     """A buffer with the schema's defaults (buffer section), but for `changes`."""
     cfg = BufferConfig()
-    values = dict(recent_prob=cfg.recent_prob, inv_temp=cfg.inv_temp, per_prompt_capacity=cfg.per_prompt_capacity)
+    values = dict(recent_prob=cfg.recent_prob, inv_temp=cfg.inv_temp,
+                  per_prompt_capacity=cfg.per_prompt_capacity)
     values.update(changes)
-    return ReplayBuffer(sampler, values["recent_prob"], values["inv_temp"], values["per_prompt_capacity"], seed)
+    return ReplayBuffer(sampler, values["recent_prob"], values["inv_temp"], values["per_prompt_capacity"],
+                        seed)
 
 
 def make_group(prompt_index: int, completions: list[list[int]], rewards=None, versions=None,
@@ -25,7 +27,8 @@ def make_group(prompt_index: int, completions: list[list[int]], rewards=None, ve
     width = width or max(1, max(len(c) for c in completions))
     rewards = rewards if rewards is not None else [0.0] * k
     versions = versions if versions is not None else [1] * k
-    ids, logprobs, vers = (torch.zeros(k, width, dtype=dt) for dt in (torch.int64, torch.float32, torch.int64))
+    ids, logprobs, vers = (torch.zeros(k, width, dtype=dt)
+                           for dt in (torch.int64, torch.float32, torch.int64))
     for i, c in enumerate(completions):
         ids[i, :len(c)] = torch.tensor(c, dtype=torch.int64)
         logprobs[i, :len(c)] = -(i + 1) / 10
@@ -68,7 +71,8 @@ def test_tba_recent_fraction_matches_recent_prob():
     sd = math.sqrt(m * (1 - m) / n)
     assert abs(len(fresh) / n - m) < 4 * sd
     assert buf.stats()["buffer/recent_frac"] == len(fresh) / n
-    assert [g.group_id for g in fresh] == list(range(n - 1, n - 1 - len(fresh), -1))  # newest first, each once
+    # newest first, each once
+    assert [g.group_id for g in fresh] == list(range(n - 1, n - 1 - len(fresh), -1))
     assert len(buf) == n - len(fresh)
     replayed = [g.group_id for g in got if g.group_id < 0]
     assert len(set(replayed)) == len(replayed) and all(g.worker_id == -1 for g in got if g.group_id < 0)
@@ -80,7 +84,8 @@ def test_tba_falls_back_both_ways():
     assert only_recent.ready(3)  # one fresh group, then replay
     assert [g.group_id >= 0 for g in only_recent.sample(3, version=0)] == [True, False, False]
     only_replay = _buffer("tba", recent_prob=0.0)
-    only_replay.add(make_group(0, [[1], [1]], group_id=5), version=0)  # one distinct completion < K: no replay
+    # one distinct completion < K: no replay
+    only_replay.add(make_group(0, [[1], [1]], group_id=5), version=0)
     assert only_replay.ready(1) and not only_replay.ready(2)
     assert only_replay.sample(1, version=0)[0].group_id == 5
 
@@ -120,7 +125,8 @@ def test_duplicates_are_not_stored_and_are_counted():
     buf.add(make_group(0, [[3], [4, 5], [1, 2]], width=2), version=0)
     buf.add(make_group(1, [[1, 2], [3], [6]]), version=0)
     assert buf.stats()["buffer/duplicates_dropped"] == 3.0
-    assert buf.sample(3, version=0)[2] is first  # fresh groups come out whole (newest first), duplicates included
+    # fresh groups come out whole (newest first), duplicates included
+    assert buf.sample(3, version=0)[2] is first
     buf.sample(50, version=0)
     assert buf.stats()["buffer/history"] == 6 and buf.stats()["buffer/prompts"] == 2
 
@@ -163,7 +169,8 @@ def test_replayed_groups_are_well_formed():
 
 def test_age_stats():
     buf = _buffer("fifo")
-    buf.add(make_group(0, [[1, 2], [3]], versions=[3, 5], width=4), version=5)  # padding versions (0) don't count
+    # padding versions (0) don't count
+    buf.add(make_group(0, [[1, 2], [3]], versions=[3, 5], width=4), version=5)
     buf.add(make_group(1, [[4], [5]], versions=[6, 5]), version=6)
     buf.sample(2, version=7)
     stats = buf.stats()
@@ -253,7 +260,8 @@ def test_tba_recent_draws_are_the_newest_groups_at_max_staleness_4(recent_prob):
     for version in range(80):
         for j in range(b):
             gid = version * b + j
-            buf.add(make_group(gid % 7, [[gid, 1], [gid, 2]], versions=[version, version], group_id=gid), version)
+            buf.add(make_group(gid % 7, [[gid, 1], [gid, 2]], versions=[version, version], group_id=gid),
+                    version)
         for g in buf.sample(b, version):
             if g.group_id >= 0:  # a fresh group (replayed ones are assembled, with negative ids)
                 recent_lags.append(version - g.group_id // b)

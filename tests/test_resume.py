@@ -22,12 +22,12 @@ SYNC = ("max_staleness=0", "eval.every=0", "task.reward=tests.toy_rewards:length
 
 
 def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
-    """Run c's first two steps reproduce run a's (the same seed, the same metrics), and its three resumed steps
-    continue exactly as a did without the stop. Run a also keeps one checkpoint (step_2 pruned) and none at
-    the end: checkpointing changes no metric."""
+    """Run c's first two steps reproduce run a's (the same seed, the same metrics), and its three resumed
+    steps continue exactly as a did without the stop. Run a also keeps one checkpoint (step_2 pruned) and none
+    at the end: checkpointing changes no metric."""
     a, c = tmp_path / "a", tmp_path / "c"
-    result = run_train(a, f"model.path={tiny_model_dir}", "steps=5", "checkpoint.every=2", "checkpoint.keep=1",
-                       "checkpoint.at_end=false", *SYNC, *TINY)
+    result = run_train(a, f"model.path={tiny_model_dir}", "steps=5", "checkpoint.every=2",
+                       "checkpoint.keep=1", "checkpoint.at_end=false", *SYNC, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(a / "checkpoints")) == ["step_4"]  # step_2 pruned, no step_5
     assert len({r["loss"] for r in _rows(a)}) > 1  # not trivially equal
@@ -39,17 +39,20 @@ def test_same_seed_same_metrics_and_resume_is_exact(tiny_model_dir, tmp_path):
     assert _values(_rows(c)) == _values(_rows(a))[:2]  # reproducible
     with open(c / "samples.jsonl", "a") as f:  # as a run killed after step 2's checkpoint would leave it
         f.write(json.dumps({"step": 3, "completion": "written after the checkpoint"}) + "\n")
-    resumed = subprocess.run(train_cmd(c, f"resume={c}", "steps=5"), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(train_cmd(c, f"resume={c}", "steps=5"), capture_output=True, text=True,
+                             timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _values(_rows(c)) == _values(_rows(a))  # exact
-    assert (c / "samples.jsonl").read_text() == (a / "samples.jsonl").read_text()  # the same completions, once each
+    # the same completions, once each
+    assert (c / "samples.jsonl").read_text() == (a / "samples.jsonl").read_text()
     assert sorted(os.listdir(c / "checkpoints")) == ["step_2", "step_5"]
 
 
 def test_resume_errors_are_one_line(tiny_model_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = subprocess.run(train_cmd(tmp_path / "x", f"resume={empty}"), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(train_cmd(tmp_path / "x", f"resume={empty}"), capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 2 and "has no config.yaml" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 

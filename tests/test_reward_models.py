@@ -1,4 +1,5 @@
-"""Reward-model tasks on tiny models the tests build: preference (RM score) and red-teaming (victim + classifier)."""
+"""Reward-model tasks on tiny models the tests build: preference (RM score) and red-teaming
+(victim + classifier)."""
 import json
 
 import pytest
@@ -73,9 +74,9 @@ def test_preference_task_trains(tiny_model_dir, reward_model_dir, tmp_path):
 
 @pytest.mark.slow  # a long end-to-end run: CI's suite must stay under 15 minutes on 2 cores
 def test_redteam_task_trains(tiny_model_dir, toxicity_dir, tmp_path):
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "task=redteam", f"task.victim_model={tiny_model_dir}",
-                       f"task.classifier={toxicity_dir}", "task.victim_max_new_tokens=4", "task.diversity=0.2",
-                       "steps=2", *TINY)
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "task=redteam",
+                       f"task.victim_model={tiny_model_dir}", f"task.classifier={toxicity_dir}",
+                       "task.victim_max_new_tokens=4", "task.diversity=0.2", "steps=2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and 0 < rows[0]["reward_mean"] < 1

@@ -140,7 +140,8 @@ def _adversarial(touch_path):
         "exec": f'exec("{attack}")',
         "dunder walk": "\\boxed{().__class__.__bases__[0].__subclasses__()}",
         "text import": f"\\boxed{{\\text{{{attack}}}}}",
-        "sympify bait": f"\\boxed{{Symbol('x').__class__.__init__.__globals__['os'].system('touch {touch_path}')}}",
+        "sympify bait": f"\\boxed{{Symbol('x').__class__.__init__.__globals__['os'].system("
+                        f"'touch {touch_path}')}}",
     }
 
 
@@ -210,7 +211,8 @@ def test_workers_die_with_their_owner(tmp_path):
              "time.sleep(0.5)\n"
              "print(*[p.pid for p in mp.active_children()], flush=True)\n"
              "os.kill(os.getpid(), signal.SIGKILL)\n")
-    with open(tmp_path / "pids", "w+") as out:  # a file, not a pipe: a surviving worker would hold a pipe open
+    # a file, not a pipe: a surviving worker would hold a pipe open
+    with open(tmp_path / "pids", "w+") as out:
         subprocess.run([sys.executable, "-c", owner], cwd=REPO, stdout=out, timeout=60)
         out.seek(0)
         workers = [int(pid) for pid in out.read().split()]

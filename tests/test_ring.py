@@ -1,5 +1,5 @@
-"""The trajectory ring keeps its promises: exactly-once delivery with intact data, back-pressure, limits, recovery
-from a dead producer, no /dev/shm leftovers."""
+"""The trajectory ring keeps its promises: exactly-once delivery with intact data, back-pressure, limits,
+recovery from a dead producer, no /dev/shm leftovers."""
 import gc
 import os
 import signal
@@ -36,11 +36,13 @@ def make_group(group_id: int, worker_id: int, k: int = K, prompt_len=None, width
 
 
 def assert_same(got: Group, want: Group):
-    for name in ("prompt_ids", "completion_ids", "completion_lens", "logprobs", "versions", "rewards", "truncated"):
+    for name in ("prompt_ids", "completion_ids", "completion_lens", "logprobs", "versions", "rewards",
+                 "truncated"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, got.group_id)
         assert a.untyped_storage().nbytes() == a.nbytes, f"{name} is not its own copy: keeping it keeps more"
-    assert (got.prompt_index, got.group_id, got.worker_id) == (want.prompt_index, want.group_id, want.worker_id)
+    assert (got.prompt_index, got.group_id, got.worker_id) \
+        == (want.prompt_index, want.group_id, want.worker_id)
 
 
 def _produce(ring: TrajectoryRing, worker_id: int, count: int):
@@ -98,7 +100,8 @@ def test_oversize_groups_are_rejected():
     with pytest.raises(ValueError, match="num_producers=1"):
         ring.put(make_group(1, 1))
     assert len(ring) == 0
-    assert ring.put(make_group(1, 0, prompt_len=MAX_PROMPT, width=MAX_NEW), timeout=1)  # exactly at the limits
+    # exactly at the limits
+    assert ring.put(make_group(1, 0, prompt_len=MAX_PROMPT, width=MAX_NEW), timeout=1)
 
 
 def test_min_version_ignores_padding():
@@ -109,7 +112,8 @@ def test_min_version_ignores_padding():
 
 
 def test_oldest_first_across_lanes_and_a_full_lane_blocks_only_its_producer():
-    ring = TrajectoryRing(num_slots=4, group_size=K, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, num_producers=2)
+    ring = TrajectoryRing(num_slots=4, group_size=K, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                          num_producers=2)
     assert ring.lane_slots == 2
     for group_id, worker in [(1, 1), (2, 0), (3, 1)]:
         assert ring.put(make_group(group_id, worker), timeout=1)

@@ -1,4 +1,5 @@
-"""scripts/same_metrics.py: the before/after check of a refactor sees a changed value and ignores the clock."""
+"""scripts/same_metrics.py: the before/after check of a refactor sees a changed value and ignores the
+clock."""
 import json
 import subprocess
 import sys
@@ -15,8 +16,8 @@ def _run(tmp_path, name, rows, summary):
 
 
 def _compare(a, b, *extra):
-    return subprocess.run([sys.executable, "scripts/same_metrics.py", a, b, *extra], cwd=ROOT, capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, "scripts/same_metrics.py", a, b, *extra], cwd=ROOT,
+                          capture_output=True, text=True)
 
 
 def test_only_the_clock_and_memory_may_differ(tmp_path):
@@ -24,7 +25,8 @@ def test_only_the_clock_and_memory_may_differ(tmp_path):
              "perf/learner_mfu": 0.2}]
     summary = {"steps": 1, "wall_s": 3.0, "peak_memory_mb": 10, "time_to_reward_0.8": None}
     before = _run(tmp_path, "before", rows, summary)
-    clock = [dict(rows[0], time_s=2.0, **{"perf/train_step_s": 0.4, "gen_tokens_per_s": 8.0, "perf/learner_mfu": 0.1})]
+    clock = [dict(rows[0], time_s=2.0,
+                  **{"perf/train_step_s": 0.4, "gen_tokens_per_s": 8.0, "perf/learner_mfu": 0.1})]
     after = _run(tmp_path, "after", clock, dict(summary, wall_s=4.0, peak_memory_mb=12))
     same = _compare(before, after)
     assert same.returncode == 0 and same.stdout.strip().endswith("same: 2 rows, 2 keys a row"), same.stdout
@@ -32,7 +34,8 @@ def test_only_the_clock_and_memory_may_differ(tmp_path):
     changed = _run(tmp_path, "changed", [dict(rows[0], loss=0.50001)], summary)
     differ = _compare(before, changed)
     assert differ.returncode == 1
-    assert "row 0 loss: 0.5 != 0.50001" in differ.stdout and differ.stdout.strip().endswith("differ: 1 values")
+    assert "row 0 loss: 0.5 != 0.50001" in differ.stdout \
+        and differ.stdout.strip().endswith("differ: 1 values")
 
     shorter = _run(tmp_path, "shorter", [], summary)
     assert _compare(before, shorter).returncode == 1

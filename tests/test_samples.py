@@ -28,9 +28,12 @@ def _rows(path) -> list[dict]:
 
 def test_each_step_writes_its_picks_decoded_spread_over_the_groups(tokenizer_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    a = _group(tokenizer, 7, ["3 + 4 = 7<|im_end|>", "It is eight", "7"], [1.0, 0.0, 1.0], [False, True, False])
-    b = _group(tokenizer, 8, ["Nine.<|im_end|>", "9<|im_end|>", "nine"], [0.0, 1.0, 0.0], [False, False, True])
-    # a multi-turn completion: the environment's tokens were not sampled (mask off, version -1), an older turn was
+    a = _group(tokenizer, 7, ["3 + 4 = 7<|im_end|>", "It is eight", "7"], [1.0, 0.0, 1.0],
+               [False, True, False])
+    b = _group(tokenizer, 8, ["Nine.<|im_end|>", "9<|im_end|>", "nine"], [0.0, 1.0, 0.0],
+               [False, False, True])
+    # a multi-turn completion: the environment's tokens were not sampled (mask off, version -1), an older turn
+    # was
     a.loss_mask[0, 3:] = False
     a.versions[0, 3:] = -1
     a.versions[0, :2] = 1
@@ -42,12 +45,15 @@ def test_each_step_writes_its_picks_decoded_spread_over_the_groups(tokenizer_dir
     log.write(2, [b])
     log.close()
     rows = _rows(tmp_path / FILE)
-    assert [(r["step"], r["group"], r["sample"]) for r in rows] == [(1, 7, 0), (1, 8, 0), (1, 7, 1), (2, 8, 0),
-                                                                    (2, 8, 1), (2, 8, 2)]
+    assert [(r["step"], r["group"], r["sample"]) for r in rows] == [(1, 7, 0), (1, 8, 0), (1, 7, 1),
+                                                                    (2, 8, 0), (2, 8, 1), (2, 8, 2)]
     first = rows[0]
-    assert first["completion"] == "3 + 4 = 7<|im_end|>" and first["prompt"] == "What is 7?"  # special tokens kept
-    assert (first["reward"], first["finish"], first["turns"], first["version"]) == (1.0, "done", 1, 1)  # oldest
-    assert rows[2]["completion"] == "It is eight" and rows[2]["finish"] == "budget" and rows[2]["version"] == 3
+    # special tokens kept
+    assert first["completion"] == "3 + 4 = 7<|im_end|>" and first["prompt"] == "What is 7?"
+    # oldest
+    assert (first["reward"], first["finish"], first["turns"], first["version"]) == (1.0, "done", 1, 1)
+    assert rows[2]["completion"] == "It is eight" and rows[2]["finish"] == "budget" \
+        and rows[2]["version"] == 3
     assert rows[5]["completion"] == "nine" and rows[5]["reward"] == 0.0
 
 

@@ -1,6 +1,7 @@
-"""scripts/sglang_calls.py against a small fake sglang written in tmp_path (the real paths, a few lines each): ringrl's
-own calls, collected from engines/, all match it; a lost keyword, a moved parameter or a dropped ServerArgs field
-fails naming it; a call the script cannot follow, or a table entry nothing uses, fails too. No network."""
+"""scripts/sglang_calls.py against a small fake sglang written in tmp_path (the real paths, a few lines each):
+ringrl's own calls, collected from engines/, all match it; a lost keyword, a moved parameter or a dropped
+ServerArgs field fails naming it; a call the script cannot follow, or a table entry nothing uses, fails too.
+No network."""
 import os
 import shutil
 import textwrap
@@ -49,7 +50,7 @@ FAKE = {
 
             def end_weight_update(self):
                 pass
-        """,
+        """,  # noqa: E501
     "srt/server_args.py": """
         from sglang.srt.arg_groups.parallel import Parallel
 
@@ -118,7 +119,7 @@ FAKE = {
                 ("builtins", "dict"),
                 ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
             }
-        """,
+        """,  # noqa: E501
     "srt/utils/patch_torch.py": "def monkey_patch_torch_reductions():\n    pass\n",
     "srt/sampling/sampling_params.py": """
         class SamplingParams(msgspec.Struct, kw_only=True):
@@ -152,10 +153,12 @@ def test_ringrl_calls_are_collected_from_its_source_and_all_match(fake, capsys):
     out = capsys.readouterr().out
     n = len(out.splitlines()) - 2
     assert f"sglang 0.5.21: {n} calls, {n} ok" in out and n > 20
-    for call in ("sglang.Engine(model_path=", "sglang.Engine.update_weights_from_tensor(named_tensors, load_format=",
+    for call in ("sglang.Engine(model_path=",
+                 "sglang.Engine.update_weights_from_tensor(named_tensors, load_format=",
                  "TokenizerManager.pause_generation(obj)", "PauseGenerationReqInput(mode=)",
                  "FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)", "pickled by",
-                 "SamplingParams(**sampling_params():", "sglang.srt.utils.init_custom_process_group(backend="):
+                 "SamplingParams(**sampling_params():",
+                 "sglang.srt.utils.init_custom_process_group(backend="):
         assert call in out
 
 
@@ -204,7 +207,8 @@ def test_a_call_the_script_cannot_follow_fails(fake, tmp_path, probe, named):
     assert all(ok for ok, _ in check_all(str(fake), _ringrl(tmp_path)))
     lines = check_all(str(fake), _ringrl(tmp_path / "probed", probe))
     bad = [line for ok, line in lines if not ok]
-    assert len(bad) == 1 and bad[0].startswith("UNCHECKED") and named in bad[0] and "engines/probe.py:8" in bad[0]
+    assert len(bad) == 1 and bad[0].startswith("UNCHECKED") and named in bad[0] \
+        and "engines/probe.py:8" in bad[0]
 
 
 def test_a_table_entry_nothing_uses_fails(fake, tmp_path):
@@ -219,7 +223,8 @@ def test_no_source_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
     class Failed:
-        returncode, stderr = 1, "Looking in indexes\nERROR: No matching distribution found for sglang==0.5.21\n"
+        returncode, stderr = 1, ("Looking in indexes\n"
+                                 "ERROR: No matching distribution found for sglang==0.5.21\n")
 
     monkeypatch.setattr(sglang_calls.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(sglang_calls.subprocess, "run", lambda *a, **k: Failed)

@@ -1,7 +1,8 @@
-"""Every call ringrl makes into SGLang, checked against the installed sglang's source by scripts/sglang_calls.py
-(it parses the source, never imports it: sglang's imports want CUDA). Skipped where sglang is not installed, as in
-CI; where it is, a version that moved one of these names fails here, with the name, before any GPU job does.
-`python -m scripts.sglang_calls` checks the pinned version without installing it (pip download --no-deps).
+"""Every call ringrl makes into SGLang, checked against the installed sglang's source by
+scripts/sglang_calls.py (it parses the source, never imports it: sglang's imports want CUDA). Skipped where
+sglang is not installed, as in CI; where it is, a version that moved one of these names fails here, with the
+name, before any GPU job does. `python -m scripts.sglang_calls` checks the pinned version without installing
+it (pip download --no-deps).
 
     pytest tests/test_sglang_contract.py          # after pip install -r requirements-gpu.txt
 """

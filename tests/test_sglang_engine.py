@@ -32,7 +32,8 @@ def test_partial_merge_and_resume_input():
     done = partial.completion("stop")
     assert (done.token_ids, done.logprobs, done.versions) == ([10, 11, 99], [-0.5, -0.25, -1.0], [3, 3, 4])
     empty = Partial(Request(8, [1], SamplingParams(max_new_tokens=2)))
-    assert empty.merge({"meta_info": {"finish_reason": {"type": "abort"}}}, 0) is None and empty.remaining() == 2
+    assert empty.merge({"meta_info": {"finish_reason": {"type": "abort"}}}, 0) is None \
+        and empty.remaining() == 2
 
 
 def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
@@ -43,7 +44,8 @@ def test_interrupted_requests_resume_with_remaining_budget_and_new_versions():
     fake = FakeBackend(chunk=4)
     engine = SGLangEngine(fake, max_batch=8, poll_s=0.001)
     engine.add(Request(0, prompt, SamplingParams(max_new_tokens=budget)))
-    engine.add(Request(1, [9], SamplingParams(max_new_tokens=3)))  # fits in one chunk: finishes before the update
+    # fits in one chunk: finishes before the update
+    engine.add(Request(1, [9], SamplingParams(max_new_tokens=3)))
     short = _run_until(engine, lambda d: len(d) == 1)
     assert short[0].request_id == 1 and short[0].finish_reason == "length" and short[0].versions == [0, 0, 0]
     time.sleep(0.01)
@@ -83,7 +85,8 @@ def test_stop_token_ends_a_request_across_an_interruption():
     engine = SGLangEngine(FakeBackend(chunk=3), max_batch=256, poll_s=0.001)
     engine.add(Request(0, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))))
     finished = []
-    for version in (1, 2):  # the stop token comes in the second chunk: the request ends before the next update
+    # the stop token comes in the second chunk: the request ends before the next update
+    for version in (1, 2):
         time.sleep(0.005)
         finished += engine.step()
         finished += receive_version(engine, FakeChannel(BucketMessage(version, 0, True, [], [version])), 0)

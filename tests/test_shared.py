@@ -14,15 +14,16 @@ def test_counters_are_per_worker_and_summed_by_name():
     counters.add(2, "groups")
     counters.set(1, "next_group", 4)
     assert (counters.get(0, "tokens"), counters.get(1, "tokens"), counters.get(2, "tokens")) == (5, 0, 7)
-    assert counters.total("tokens") == 12 and counters.total("groups") == 1 and counters.get(1, "next_group") == 4
+    assert counters.total("tokens") == 12 and counters.total("groups") == 1 \
+        and counters.get(1, "next_group") == 4
     assert len(counters) == 3
     with pytest.raises(KeyError):
         counters.add(0, "tokenz")
 
 
 def test_reclaiming_a_dead_worker_drops_only_what_it_had_not_delivered():
-    """Worker 1 started 5 groups and delivered 2 (still in the ring) before it died: the 3 others are lost, their
-    gate budget comes back, the 2 delivered stay, and a replacement starts at its next group."""
+    """Worker 1 started 5 groups and delivered 2 (still in the ring) before it died: the 3 others are lost,
+    their gate budget comes back, the 2 delivered stay, and a replacement starts at its next group."""
     ring = TrajectoryRing(2 * 8, K, MAX_PROMPT, MAX_NEW, num_producers=2)
     gate = StalenessGate(batch_groups=4, max_staleness=1)  # 8 groups may start before the first step
     shared = Shared(ring, gate, weights=None, counters=WorkerCounters(2), stop=StopFlag())
@@ -48,8 +49,8 @@ def test_reclaiming_a_dead_worker_drops_only_what_it_had_not_delivered():
 
 
 def test_after_the_last_step_a_dead_worker_is_not_reclaimed_and_the_last_row_counts_every_restart():
-    """Rank 0 marks its last step and reads the counters under the lock the launcher's restart bookkeeping takes:
-    a restart before it is in the row, none happens after it."""
+    """Rank 0 marks its last step and reads the counters under the lock the launcher's restart bookkeeping
+    takes: a restart before it is in the row, none happens after it."""
     ring = TrajectoryRing(8, K, MAX_PROMPT, MAX_NEW, num_producers=1)
     gate = StalenessGate(batch_groups=2, max_staleness=1)
     shared = Shared(ring, gate, weights=None, counters=WorkerCounters(1), stop=StopFlag())
@@ -66,8 +67,8 @@ def test_after_the_last_step_a_dead_worker_is_not_reclaimed_and_the_last_row_cou
 
 
 def test_the_finish_lock_orders_a_restart_against_the_last_row():
-    """While the launcher holds the lock for a restart, rank 0 cannot mark the end; and once marked, the launcher
-    sees it."""
+    """While the launcher holds the lock for a restart, rank 0 cannot mark the end; and once marked, the
+    launcher sees it."""
     import threading
 
     finish = Finish()

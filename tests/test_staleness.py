@@ -52,7 +52,8 @@ def test_bound_holds_under_contention():
     gate = StalenessGate(batch_groups=B, max_staleness=eta, ctx=ctx)
     successes = torch.zeros(workers, dtype=torch.int64).share_memory_()
     stop = ctx.Event()
-    procs = [ctx.Process(target=_hammer, args=(gate, successes, i, stop), daemon=True) for i in range(workers)]
+    procs = [ctx.Process(target=_hammer, args=(gate, successes, i, stop), daemon=True)
+             for i in range(workers)]
     for p in procs:
         p.start()
     try:
@@ -100,7 +101,8 @@ def test_wait_start_wakes_on_set_version_and_cancel():
     woken_at = time.monotonic()
     gate.set_version(1)
     waiter.join(20)
-    assert result.tolist() == [1, 1] and time.monotonic() - woken_at < 5, "wait_start did not wake on set_version"
+    assert result.tolist() == [1, 1] and time.monotonic() - woken_at < 5, \
+        "wait_start did not wake on set_version"
     assert gate.started == 2
 
     threading.Timer(0.2, gate.cancel).start()  # a cancelled group frees a start and wakes the waiter
@@ -167,7 +169,8 @@ def test_a_lane_holds_every_group_the_gate_lets_one_worker_start():
     for eta, b in [(0, 1), (0, 8), (2, 8), (4, 3)]:
         gate = StalenessGate(batch_groups=b, max_staleness=eta)
         assert starts_until_refused(gate) == started_limit(0, eta, b) == (eta + 1) * b
-        assert lane_slots(eta, b) == starts_until_refused(StalenessGate(b, eta)) + 1  # plus the one being written
+        # plus the one being written
+        assert lane_slots(eta, b) == starts_until_refused(StalenessGate(b, eta)) + 1
 
 
 def test_an_engine_gets_the_slots_of_every_sequence_the_gate_lets_be_in_flight_and_no_more():

@@ -1,6 +1,6 @@
-"""The GPU plan's static decode step (engines/static_decode.py), run on the CPU: the same tokens as the step-by-step
-engine at a fixed seed, one host sync a step, and every address a CUDA graph reads kept across a weight load.
-tests/test_gpu_builtin.py runs its graphs on a GPU."""
+"""The GPU plan's static decode step (engines/static_decode.py), run on the CPU: the same tokens as the
+step-by-step engine at a fixed seed, one host sync a step, and every address a CUDA graph reads kept across a
+weight load. tests/test_gpu_builtin.py runs its graphs on a GPU."""
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -20,8 +20,8 @@ def mixed_requests(stop_token: int | None = None) -> list[Request]:
     """More requests than slots, of several lengths and sampling settings, two sharing a prompt."""
     prompts = random_prompts([5, 12, 3, 9, 7, 12, 4], seed=2)
     prompts[5] = prompts[1]
-    settings = [dict(), dict(temperature=0.7), dict(top_p=0.9), dict(temperature=0), dict(temperature=1.3, top_p=0.8),
-                dict(), dict(temperature=0.5)]
+    settings = [dict(), dict(temperature=0.7), dict(top_p=0.9), dict(temperature=0),
+                dict(temperature=1.3, top_p=0.8), dict(), dict(temperature=0.5)]
     budgets = [9, 4, 12, 6, 10, 7, 3]
     stops = (stop_token,) if stop_token is not None else ()
     return [Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=stops, **kw))
@@ -29,7 +29,8 @@ def mixed_requests(stop_token: int | None = None) -> list[Request]:
 
 
 def run(model, requests, static: bool, max_batch: int = 4, max_len: int = 48):
-    return BuiltinEngine(model, max_batch=max_batch, max_len=max_len, seed=5, static=static).generate(requests)
+    return BuiltinEngine(model, max_batch=max_batch, max_len=max_len, seed=5,
+                         static=static).generate(requests)
 
 
 @pytest.mark.parametrize("stop", [False, True])
@@ -47,8 +48,8 @@ def test_the_static_step_samples_what_the_step_by_step_engine_samples(model, sto
 
 
 def test_a_static_step_is_read_one_step_late_and_a_finished_row_is_dropped(model):
-    """Step t+1 is queued before step t's tokens are read; a sequence that ends at step t was decoded once more in
-    vain, and its slot, taken by a waiting request, starts clean."""
+    """Step t+1 is queued before step t's tokens are read; a sequence that ends at step t was decoded once
+    more in vain, and its slot, taken by a waiting request, starts clean."""
     prompts = random_prompts([6, 6, 6], seed=7)
     engine = BuiltinEngine(model, max_batch=2, max_len=32, seed=1, static=True)
     requests = [Request(0, prompts[0], SamplingParams(max_new_tokens=2)),
@@ -77,8 +78,8 @@ def test_a_static_decode_step_waits_on_the_host_once(model, monkeypatch):
     reads = []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or
-                            _o(self, *a, **k))
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(self, *a, **k))
     per_step = []
     while engine.num_running() and not engine.num_waiting():
         reads.clear()
@@ -89,7 +90,8 @@ def test_a_static_decode_step_waits_on_the_host_once(model, monkeypatch):
 
 
 def test_the_step_by_step_engine_still_reads_its_decode_without_the_sampler_s_tests(model, monkeypatch):
-    """The CPU plan's step: the sampler's passes come from the requests, so its decode reads only its results."""
+    """The CPU plan's step: the sampler's passes come from the requests, so its decode reads only its
+    results."""
     engine = BuiltinEngine(model, max_batch=8, max_len=48, seed=0)
     for r in mixed_requests():
         engine.add(r)
@@ -97,7 +99,8 @@ def test_the_step_by_step_engine_still_reads_its_decode_without_the_sampler_s_te
     reads = []
     for name in ("item", "__bool__", "__int__"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
     while engine.num_running() and not engine.num_waiting():
         engine.step()
     monkeypatch.undo()
@@ -115,9 +118,10 @@ def test_weights_cache_and_slot_inputs_keep_their_addresses_across_a_weight_load
     def addresses():
         tensors = {f"weight {n}": t for n, t in engine.weight_tensors().items()}
         tensors.update({"k_cache": engine.k_cache, "v_cache": engine.v_cache, "step.k": step.k_cache,
-                        "step.v": step.v_cache, "sampled": step.sampled, "out": step.out, "index": step.index})
-        tensors.update({f"slot {f}": getattr(engine.slots, f) for f in ("token", "pos", "temperature", "top_p",
-                                                                       "request")})
+                        "step.v": step.v_cache, "sampled": step.sampled, "out": step.out,
+                        "index": step.index})
+        tensors.update({f"slot {f}": getattr(engine.slots, f)
+                        for f in ("token", "pos", "temperature", "top_p", "request")})
         return {name: t.data_ptr() for name, t in tensors.items()}
 
     before = addresses()
@@ -141,8 +145,9 @@ def test_weights_cache_and_slot_inputs_keep_their_addresses_across_a_weight_load
 
 
 def test_a_weight_load_between_steps_gives_what_the_step_by_step_engine_gives(model, tiny_model_dir):
-    """Four steps, a weight load, the rest: four steps of the static engine have launched four decodes (three read),
-    as four of the step-by-step engine have run four, so both sample the same tokens under the same versions."""
+    """Four steps, a weight load, the rest: four steps of the static engine have launched four decodes (three
+    read), as four of the step-by-step engine have run four, so both sample the same tokens under the same
+    versions."""
     new_model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in new_model.parameters():
@@ -188,7 +193,8 @@ def test_without_cuda_the_graphs_knob_runs_the_same_step_eagerly(model, capsys):
 
 
 def test_a_failed_capture_is_said_in_one_line_and_the_step_runs_eagerly(model, monkeypatch, capsys):
-    """A capture that raises (here: a stand-in for CUDA refusing one) leaves the run going, eager, the same tokens."""
+    """A capture that raises (here: a stand-in for CUDA refusing one) leaves the run going, eager, the same
+    tokens."""
     requests = mixed_requests()
     engine = BuiltinEngine(model, max_batch=4, max_len=48, seed=5, static=True)
     engine.decoder.use_graphs = True  # as on CUDA

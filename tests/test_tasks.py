@@ -12,8 +12,9 @@ import tasks
 from rewards import get_reward
 
 HENDRYCKS = "EleutherAI/hendrycks_math"
-GSM8K = [{"question": f"Tom has {i} apples and buys {i} more. How many?", "answer": f"{i}+{i}=<<{i}+{i}={2 * i}>>"
-          f"{2 * i}\n#### {2 * i}"} for i in range(10)]
+GSM8K = [{"question": f"Tom has {i} apples and buys {i} more. How many?",
+          "answer": f"{i}+{i}=<<{i}+{i}={2 * i}>>"
+                    f"{2 * i}\n#### {2 * i}"} for i in range(10)]
 MATH = [{"problem": f"Compute $\\frac{{{i}}}{{2}}$.", "level": f"Level {i % 5 + 1}",
          "type": "Number Theory" if i % 2 else "Counting & Probability",
          "solution": f"Halve it: $\\boxed{{\\frac{{{i}}}{{2}}}}$."} for i in range(1, 9)]
@@ -82,7 +83,8 @@ def test_math_jsonl_with_solution_or_answer_and_filters(tmp_path):
     rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "What is 2 + 2?", "answer": 4}]
     task = build("math", path=write_jsonl(tmp_path / "answers.jsonl", rows), test_size=1)
     assert sorted(ex.answer for ex in task.train + task.test) == ["2", "4"]
-    task = build("math", path=str(tmp_path / "math.jsonl"), test_size=1, levels=[2, 3], subjects=["number_theory"])
+    task = build("math", path=str(tmp_path / "math.jsonl"), test_size=1, levels=[2, 3],
+                 subjects=["number_theory"])
     assert sorted(ex.answer for ex in task.train + task.test) == [MATH[0]["solution"], MATH[6]["solution"]]
 
 
@@ -113,14 +115,16 @@ def test_hub_loads_through_datasets_and_fails_in_one_line(monkeypatch):
 
 @pytest.mark.parametrize("task, name, content, expected", [
     ("gsm8k", "absent.jsonl", None, "does not exist"),
-    ("gsm8k", "bad.jsonl", '{"question": "q", "answer": "#### 1"}\n{"question": oops}\n', "line 2 is not JSON"),
+    ("gsm8k", "bad.jsonl", '{"question": "q", "answer": "#### 1"}\n{"question": oops}\n',
+     "line 2 is not JSON"),
     ("gsm8k", "list.jsonl", "[1, 2]\n", "line 1 is not a JSON object"),
     ("gsm8k", "noanswer.jsonl", '{"question": "q"}\n', "line 1: missing field 'answer'"),
     ("gsm8k", "nohash.jsonl", '{"question": "q", "answer": "it is 5"}\n', "line 1: the answer has no '####"),
     ("gsm8k", "broken.parquet", "not parquet", "as parquet"),
     ("gsm8k", "train.parquet", [{"question": "q"}], "row 1: missing field 'answer'"),
     ("gsm8k", "data.csv", "question,answer\n", "neither .jsonl nor .parquet"),
-    ("math", "nobox.jsonl", '{"problem": "p", "solution": "it is 5"}\n', "line 1: the solution has no \\boxed"),
+    ("math", "nobox.jsonl", '{"problem": "p", "solution": "it is 5"}\n',
+     "line 1: the solution has no \\boxed"),
     ("math", "noproblem.jsonl", '{"solution": "\\\\boxed{5}"}\n', "line 1: missing field 'problem'"),
 ])
 def test_malformed_input_stops_with_one_line_naming_the_file(tmp_path, task, name, content, expected):
@@ -141,7 +145,8 @@ def test_bad_folders_and_knobs_are_one_line_errors(tmp_path):
         build("gsm8k", path=str(tmp_path / "empty"))
     with pytest.raises(ValueError, match=r"'task.test_size' must be < the 10 examples"):
         build("gsm8k", path=write_jsonl(tmp_path / "g.jsonl", GSM8K), test_size=10)
-    for name, knobs, key in [("gsm8k", {"max_train": -1}, "task.max_train"), ("math", {"levels": [6]}, "task.levels"),
+    for name, knobs, key in [("gsm8k", {"max_train": -1}, "task.max_train"),
+                             ("math", {"levels": [6]}, "task.levels"),
                              ("math", {"subjects": ["biology"]}, "task.subjects")]:
         with pytest.raises(ValueError, match=f"config key '{key}'"):
             tasks.get(name).Config(**knobs).check()

@@ -1,5 +1,5 @@
-"""train.skip_tied_groups: a group whose K rewards all tie is left out of the learner's passes where the rule gives
-it zero advantage, and the step is the one the whole batch would have made."""
+"""train.skip_tied_groups: a group whose K rewards all tie is left out of the learner's passes where the rule
+gives it zero advantage, and the step is the one the whole batch would have made."""
 import pytest
 import torch
 
@@ -45,8 +45,8 @@ def test_take_gives_the_groups_that_slicing_gives():
 
 
 def _step(tiny_model_dir, rule: str, skip: bool, rewards, minibatches=1, **algo):
-    train = TrainConfig(batch_groups=len(rewards), minibatches=minibatches, lr=1e-2, grad_clip=100.0, autocast="none",
-                        freeze_embeddings=False, skip_tied_groups=skip)
+    train = TrainConfig(batch_groups=len(rewards), minibatches=minibatches, lr=1e-2, grad_clip=100.0,
+                        autocast="none", freeze_embeddings=False, skip_tied_groups=skip)
     learner = Learner(model_path=tiny_model_dir, train=train, algo=algos.get(rule).Config(**algo),
                       rollout=RolloutConfig(group_size=K, max_new_tokens=6, temperature=1.0))
     metrics = learner.step(pack(_groups(rewards)), 1)
@@ -81,8 +81,8 @@ def test_a_batch_of_ties_runs_one_group_and_changes_nothing(tiny_model_dir):
     assert all(torch.equal(p, weights[n]) for n, p in fresh.policy.named_parameters())
 
 
-@pytest.mark.parametrize("rule,algo", [("tb", {}), ("online_dpo", {}), ("grpo", {"overlong_buffer_frac": 0.5}),
-                                       ("rloo", {"kl_coef": 0.1})])
+@pytest.mark.parametrize("rule,algo", [("tb", {}), ("online_dpo", {}),
+                                       ("grpo", {"overlong_buffer_frac": 0.5}), ("rloo", {"kl_coef": 0.1})])
 def test_a_rule_that_learns_from_a_tie_trains_on_every_group(tiny_model_dir, rule, algo):
     metrics, _ = _step(tiny_model_dir, rule, True, MIXED, **algo)
     assert metrics["train/tied_groups_skipped"] == 0

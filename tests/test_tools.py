@@ -1,6 +1,6 @@
-"""The tools of multi-turn episodes (envs/tools.py): the calculator's arithmetic and its refusals, reading calls
-out of model text in both formats, and the python tool in the sandbox. Every input here plays the model: hostile
-ones must fail fast, with the right kind of ToolError, and run nothing."""
+"""The tools of multi-turn episodes (envs/tools.py): the calculator's arithmetic and its refusals, reading
+calls out of model text in both formats, and the python tool in the sandbox. Every input here plays the model:
+hostile ones must fail fast, with the right kind of ToolError, and run nothing."""
 import os
 import time
 
@@ -122,7 +122,8 @@ def test_a_turn_without_a_call_is_a_final_answer(text, fmt):
     ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', "hermes", "JSON object"),
     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "hermes", "JSON object"),
     ('<tool_call>{"name": "calc"}</tool_call>', "hermes", '"arguments"'),
-    ('<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>', "hermes", '"arguments"'),
+    ('<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>', "hermes",
+     '"arguments"'),
 ])
 def test_a_malformed_call_is_a_parse_error(text, fmt, message):
     with pytest.raises(ToolError) as error:
@@ -165,7 +166,8 @@ def box():
 
 
 def test_the_python_tool_returns_what_the_program_prints(box):
-    assert box.call(Call("python", {"code": "import math\nprint(math.comb(10, 3))\nprint('done')"})) == "120\ndone\n"
+    assert box.call(Call("python", {"code": "import math\nprint(math.comb(10, 3))\nprint('done')"})) \
+        == "120\ndone\n"
     assert "1 s" in box.schemas()[1]["function"]["description"]
 
 

@@ -7,7 +7,17 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, TINY, alive, comm, descendants, die_with_parent, run_train, shm_files, train_cmd
+from tests.helpers import (
+    ROOT,
+    TINY,
+    alive,
+    comm,
+    descendants,
+    die_with_parent,
+    run_train,
+    shm_files,
+    train_cmd,
+)
 
 KEYS = ("step", "time_s", "reward_mean", "loss", "staleness_mean", "staleness_max", "gen_tokens_per_s",
         "train_tokens_per_s")
@@ -29,14 +39,18 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
         assert all(isinstance(v, (int, float)) for v in row.values())
     assert "eval_pass@1" in rows[-1] and 0 <= rows[-1]["eval_pass@1"] <= 1  # evaluated at the end
     assert all(1 <= r["perf/train_threads"] <= len(os.sched_getaffinity(0)) for r in rows)  # runtime/cores.py
-    assert all(0 < r["perf/learner_mfu"] < 1 for r in rows)  # trainer/peak.py: a fraction of the measured peak
+    # trainer/peak.py: a fraction of the measured peak
+    assert all(0 < r["perf/learner_mfu"] < 1 for r in rows)
     assert rows[-1]["perf/eval_s"] > 0 and "perf/eval_s" not in rows[0]
-    assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]  # no GPU
+    # no GPU
+    assert all(r["perf/publish_s"] > 0 for r in rows) and "perf/peak_gpu_allocated_gb" not in rows[0]
     assert (tmp_path / "config.yaml").exists()
     # log_samples=4 a step: 2 groups x 2 samples of the step's fresh data, decoded (trainer/samples.py)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert [(s["step"], s["sample"]) for s in samples] == [(step, k) for step in (1, 2, 3) for k in (0, 0, 1, 1)]
-    assert all(s["version"] == s["step"] - 1 and "What is" in s["prompt"] and s["completion"] for s in samples)
+    assert [(s["step"], s["sample"]) for s in samples] \
+        == [(step, k) for step in (1, 2, 3) for k in (0, 0, 1, 1)]
+    assert all(s["version"] == s["step"] - 1 and "What is" in s["prompt"] and s["completion"]
+               for s in samples)
     assert not (tmp_path / "curves.png").exists()  # curves=false (tests/helpers.py); drawn by default: below
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
@@ -63,7 +77,8 @@ def test_tiny_run_writes_the_contract_outputs(tiny_model_dir, tmp_path):
 def test_staleness_never_exceeds_the_bound(tiny_model_dir, tmp_path, eta):
     # eta = 2 also runs decoupled PPO with two minibatches a batch and a correction, and its diagnostics
     extra = ("algo=ppo", "train.minibatches=2", "algo.correction=mis_token") if eta else ()
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=6", f"max_staleness={eta}", *TINY, *extra)
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "steps=6", f"max_staleness={eta}", *TINY,
+                       *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path)
     assert len(rows) == 6
@@ -87,7 +102,8 @@ def test_two_trainer_ranks(tiny_model_dir, tmp_path):
 
 def _started_run(run_dir, model_dir, *overrides, steps=1000):
     """A run in the background, returned once it has logged its first step."""
-    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY, *overrides),
+    proc = subprocess.Popen(train_cmd(run_dir, f"model.path={model_dir}", f"steps={steps}", *TINY,
+                                      *overrides),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=die_with_parent)
     deadline = time.time() + 120
@@ -100,7 +116,8 @@ def _started_run(run_dir, model_dir, *overrides, steps=1000):
 
 
 def _signal_and_wait(proc, pid: int, sig, timeout: float) -> tuple[str, float]:
-    """Send `sig` to `pid` (the run or one of its processes); the run's stderr and the seconds it took to end."""
+    """Send `sig` to `pid` (the run or one of its processes); the run's stderr and the seconds it took to
+    end."""
     try:
         os.kill(pid, sig)
         sent = time.time()
@@ -152,8 +169,9 @@ def _parent(pid: int) -> int:
 
 
 def test_a_killed_launcher_leaves_neither_its_forkserver_nor_its_processes(tiny_model_dir, tmp_path):
-    """On the CPU the processes are forked by a forkserver, the launcher's child (launch/forkserver.py): a SIGKILL
-    to the launcher takes the forkserver with it (PR_SET_PDEATHSIG), and the processes with the forkserver."""
+    """On the CPU the processes are forked by a forkserver, the launcher's child (launch/forkserver.py): a
+    SIGKILL to the launcher takes the forkserver with it (PR_SET_PDEATHSIG), and the processes with the
+    forkserver."""
     proc = _started_run(tmp_path, tiny_model_dir)
     family = descendants(proc.pid)
     workers = [p for p in family if _cmdline(p) in ("ringrl:rollout-0", "ringrl:trainer-0")]
@@ -213,7 +231,8 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
     proc = _started_run(tmp_path, tiny_model_dir, "checkpoint.every=1", steps=1000)
     try:
         deadline = time.time() + 60
-        while not (tmp_path / "checkpoints" / "step_1" / "trainer_state.pt").exists() and time.time() < deadline:
+        while not (tmp_path / "checkpoints" / "step_1" / "trainer_state.pt").exists() \
+                and time.time() < deadline:
             time.sleep(0.1)
         family = descendants(proc.pid)
         trainer = next(p for p in family if _cmdline(p) == "ringrl:trainer-0")
@@ -230,8 +249,8 @@ def test_killed_trainer_stops_the_run_and_resume_continues(tiny_model_dir, tmp_p
 
 # One bad value per stage of the launcher that can refuse it, run through train.py: the command line's check
 # (before Hydra), the schema's ranges, the task's data, the model, the device plan, the engine, resume and the
-# prompt budget. Every other key's message is checked in-process by tests/test_config.py (TYPOS, RANGES), where
-# it costs milliseconds instead of a Python start-up.
+# prompt budget. Every other key's message is checked in-process by tests/test_config.py (TYPOS, RANGES),
+# where it costs milliseconds instead of a Python start-up.
 BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's scratch folder
     ("stepz=3", "unknown config key 'stepz'"),
     ("algo=tb algo.beta=1", "unknown config key 'algo.beta' for algo=tb (known: beta_end, beta_start,"),
@@ -243,7 +262,8 @@ BAD_CONFIGS = [  # (overrides, what the one line must say); {tmp} is the test's 
     ("train.freeze_layers=99", "train.freeze_layers=99: the model has"),
     ("resume={tmp}", "has no config.yaml"),
     ("cluster=gpu8", "cluster.plan=gpu needs CUDA GPUs and torch sees none"),
-    ("rollout.engine=sglang", "rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin"),
+    ("rollout.engine=sglang",
+     "rollout.engine=sglang needs the GPU plan (CUDA GPUs); use rollout.engine=builtin"),
 ]
 
 
@@ -285,12 +305,13 @@ def test_staleness_sweep_and_its_plot(tiny_model_dir, tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "max_staleness=0,2", f"hydra.sweep.dir={tmp_path}",
-           "progress=false", f"model.path={tiny_model_dir}", "steps=2", *TINY]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "max_staleness=0,2",
+           f"hydra.sweep.dir={tmp_path}", "progress=false", f"model.path={tiny_model_dir}", "steps=2", *TINY]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert len(runs) == 2 and runs[0].startswith("0_max_staleness=0,") and runs[1].startswith("1_max_staleness=2,")
+    assert len(runs) == 2 and runs[0].startswith("0_max_staleness=0,") \
+        and runs[1].startswith("1_max_staleness=2,")
     for run in runs:
         assert [r["step"] for r in _metrics(tmp_path / run)] == [1, 2]
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path)], cwd=ROOT,
@@ -302,8 +323,8 @@ def test_staleness_sweep_and_its_plot(tiny_model_dir, tmp_path):
 
 
 def test_eval_only_scores_a_checkpoint_without_training(tiny_model_dir, tmp_path):
-    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "eval.only=true", "eval.k=2", "task.test_size=5",
-                       "rollout.max_new_tokens=4")
+    result = run_train(tmp_path, f"model.path={tiny_model_dir}", "eval.only=true", "eval.k=2",
+                       "task.test_size=5", "rollout.max_new_tokens=4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eval_pass@1=" in result.stdout
     (row,) = _metrics(tmp_path)
@@ -314,11 +335,12 @@ def test_eval_only_scores_a_checkpoint_without_training(tiny_model_dir, tmp_path
 def test_gsm8k_from_a_local_file_trains(tiny_model_dir, tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     lines = [json.dumps({"question": f"Tom has {i} apples and buys {i + 2} more. How many now?",
-                         "answer": f"He has {i} + {i + 2} = {2 * i + 2}.\n#### {2 * i + 2}"}) for i in range(12)]
+                         "answer": f"He has {i} + {i + 2} = {2 * i + 2}.\n#### {2 * i + 2}"})
+             for i in range(12)]
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=gsm8k", f"task.path={data}", "task.test_size=4",
-                       "steps=2", *TINY)
+    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=gsm8k", f"task.path={data}",
+                       "task.test_size=4", "steps=2", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["eval_examples"] == 4
@@ -341,8 +363,8 @@ def _forkservers_of(launcher: int) -> list[int]:
 def test_missing_dataset_file_stops_with_one_line(tmp_path):
     # stderr to a file, not a pipe: a pipe would wait for the forkserver, which holds it too, to end
     with open(tmp_path / "stderr.txt", "w+") as err:
-        proc = subprocess.Popen(train_cmd(tmp_path, "task=gsm8k", f"task.path={tmp_path}/nope.jsonl"), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(train_cmd(tmp_path, "task=gsm8k", f"task.path={tmp_path}/nope.jsonl"),
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=die_with_parent)
         proc.wait(timeout=120)
         err.seek(0)
         stderr = err.read()
@@ -377,8 +399,9 @@ def test_prompts_over_the_budget_are_skipped_or_cut_and_counted(tiny_model_dir, 
             for i in range(16)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=gsm8k", f"task.path={data}", "task.test_size=2",
-                       "steps=2", "rollout.max_prompt_len=60", f"rollout.long_prompts={mode}", *TINY)
+    result = run_train(run_dir, f"model.path={tiny_model_dir}", "task=gsm8k", f"task.path={data}",
+                       "task.test_size=2", "steps=2", "rollout.max_prompt_len=60",
+                       f"rollout.long_prompts={mode}", *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     last = _metrics(run_dir)[-1]
     assert last[f"rollout/prompts_{'skipped' if mode == 'skip' else 'truncated'}"] >= 1

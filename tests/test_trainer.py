@@ -48,7 +48,8 @@ def test_packed_logprobs_and_grads_equal_separate_sequences(tiny_model_dir):
 
 
 def test_rows_that_share_a_prompt_prefix_equal_separate_sequences(tiny_model_dir):
-    """The prompts' common prefix kept once in the batch (trainer/batch.py hoist_prefix) against the textbook way."""
+    """The prompts' common prefix kept once in the batch (trainer/batch.py hoist_prefix) against the textbook
+    way."""
     groups = _groups()
     for g in groups[1:]:
         g.prompt_ids[:4] = groups[0].prompt_ids[:4]
@@ -88,7 +89,8 @@ def test_micro_batch_slices_keep_whole_groups(tiny_model_dir):
     with torch.no_grad():
         full = policy(batch.input_ids, batch.position_ids, batch.segments, batch.gather, batch.targets, 1.0)
         second = batch.groups(1, 2)
-        part = policy(second.input_ids, second.position_ids, second.segments, second.gather, second.targets, 1.0)
+        part = policy(second.input_ids, second.position_ids, second.segments, second.gather,
+                      second.targets, 1.0)
     k = batch.group_size
     t = part.shape[1]
     assert torch.allclose(full[k:, :t] * batch.mask[k:, :t], part * second.mask, atol=1e-5)
@@ -99,13 +101,15 @@ def test_micro_batch_slices_keep_whole_groups(tiny_model_dir):
 
 def test_short_rows_go_through_in_one_pass():
     assert micro_batches([150] * 8, 1, 8, 4096) == [[(0, 8)]]  # the default run: unchanged by the budget
-    assert micro_batches([150] * 8, 1, 3, 4096) == [[(0, 3), (3, 6), (6, 8)]]  # micro_groups still caps a pass
+    # micro_groups still caps a pass
+    assert micro_batches([150] * 8, 1, 3, 4096) == [[(0, 3), (3, 6), (6, 8)]]
 
 
 def test_the_token_budget_counts_each_pass_padded_to_its_longest_row():
     assert micro_batches([1500] * 8, 1, 8, 4096) == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
     assert micro_batches([100, 3000, 100, 100], 1, 8, 4096) == [[(0, 1), (1, 2), (2, 4)]]
-    assert micro_batches([5000, 100], 1, 8, 4096) == [[(0, 1), (1, 2)]]  # over the budget alone: still trained
+    # over the budget alone: still trained
+    assert micro_batches([5000, 100], 1, 8, 4096) == [[(0, 1), (1, 2)]]
     assert micro_batches([1500] * 8, 1, 8, 0) == [[(0, 8)]]  # 0: no budget
 
 
@@ -123,7 +127,8 @@ def test_the_default_budget_is_settled_by_device():
 
 
 def test_every_rank_makes_the_same_number_of_passes():
-    # rank 0 needs two passes for its long rows; rank 1 splits its short ones to match (FSDP2 gathers per pass)
+    # rank 0 needs two passes for its long rows; rank 1 splits its short ones to match (FSDP2 gathers per
+    # pass)
     assert micro_batches([2000] * 4 + [100] * 4, 2, 8, 4096) == [[(0, 2), (2, 4)], [(4, 6), (6, 8)]]
     g = torch.Generator().manual_seed(0)
     for ranks in (1, 2, 4):
@@ -132,7 +137,8 @@ def test_every_rank_makes_the_same_number_of_passes():
             plans = micro_batches(rows, ranks, 3, 4096)
             assert len({len(p) for p in plans}) == 1
             for r, passes in enumerate(plans):  # each rank's groups, in order, once each
-                assert [i for a, b in passes for i in range(a, b)] == list(range(r * 8 // ranks, (r + 1) * 8 // ranks))
+                assert [i for a, b in passes for i in range(a, b)] \
+                    == list(range(r * 8 // ranks, (r + 1) * 8 // ranks))
                 assert all(b - a <= 3 for a, b in passes)
 
 
@@ -145,8 +151,8 @@ def test_budgeted_passes_give_the_gradients_of_one_pass(tiny_model_dir):
     batch = pack(_groups())
     weights = []
     for micro_tokens in (0, 1):  # one pass; then one group per pass
-        train = TrainConfig(batch_groups=2, micro_groups=8, micro_tokens=micro_tokens, lr=1e-2, grad_clip=100.0,
-                            autocast="none")
+        train = TrainConfig(batch_groups=2, micro_groups=8, micro_tokens=micro_tokens, lr=1e-2,
+                            grad_clip=100.0, autocast="none")
         learner = Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
                           rollout=RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0))
         learner.step(batch, 1)
@@ -180,7 +186,8 @@ def test_non_finite_steps_are_skipped_until_max_bad_steps_in_a_row(tiny_model_di
 
 
 def test_adam_beta2_reaches_the_optimizer_and_is_range_checked(tiny_model_dir):
-    """train.adam_beta2: its schema field and the AdamW line that reads it (the one-knob example of issue 29)."""
+    """train.adam_beta2: its schema field and the AdamW line that reads it (the one-knob example of issue
+    29)."""
     import algos
     from launch.config import compose, parse
     from runtime.schema import RolloutConfig, TrainConfig
@@ -209,8 +216,8 @@ def test_train_share_prefix_reaches_the_policy_and_the_reference(tiny_model_dir)
 
 
 def test_activation_checkpointing_on_the_cpu_gives_the_same_step(tiny_model_dir):
-    """cluster.activation_checkpointing on the CPU plan: each decoder layer recomputed in the backward pass, the
-    same update, and the weights published under their Hugging Face names."""
+    """cluster.activation_checkpointing on the CPU plan: each decoder layer recomputed in the backward pass,
+    the same update, and the weights published under their Hugging Face names."""
     import algos
     from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner, Rank
@@ -240,7 +247,8 @@ def test_learner_mfu_is_model_flops_over_the_peak_at_the_step_s_threads():
     assert peak.at(1) == 1000.0 and peak.at(4) == 2500.0
     assert peak.at(2.5) == pytest.approx(1750.0)  # between two measured counts: linear
     assert peak.at(0.5) == 500.0 and peak.at(8) == 5000.0  # outside them: proportional to the threads
-    # 600 FLOPs (6 x 100 params) x 50 tokens in 2 s = 15,000 FLOP/s, against 1,750 FLOP/s at 2.5 threads x 2 ranks
+    # 600 FLOPs (6 x 100 params) x 50 tokens in 2 s = 15,000 FLOP/s, against 1,750 FLOP/s at 2.5 threads x 2
+    # ranks
     assert learner_mfu(600, 50, 2.0, peak, 2.5, 2) == pytest.approx(15000 / 3500)
     threads = torch.get_num_threads()
     measured = cpu_peak(torch.float32, 2, budget_s=0.02)
@@ -308,11 +316,12 @@ for p in chunks[::2]:
 held = rss_mb()
 heap.release_free_heap()
 print(held, rss_mb())
-"""
+"""  # noqa: E501
 
 
 def _run_with_libc(script: str, needs: str) -> str:
-    """`script` after LIBC's set-up, in a fresh interpreter (the C heap's state is the process's); its stdout."""
+    """`script` after LIBC's set-up, in a fresh interpreter (the C heap's state is the process's); its
+    stdout."""
     import os
     import subprocess
     import sys
@@ -322,8 +331,8 @@ def _run_with_libc(script: str, needs: str) -> str:
     if getattr(heap, needs) is None:
         pytest.skip("not glibc")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", LIBC.format(root=root) + script], capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run([sys.executable, "-c", LIBC.format(root=root) + script], capture_output=True,
+                          text=True, check=True).stdout
 
 
 def test_release_free_heap_gives_freed_chunks_between_live_ones_back_to_the_os():
@@ -344,19 +353,23 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.parametrize("calls,mb,kept", [
     (((True,),), 64, True), ((), 64, False), (((False,),), 64, False), (((True,), (False,)), 64, False),
-    # more than KEEP_TOP freed at once is handed back, unless the top kept is larger (an engine's, engines/builtin.py)
+    # more than KEEP_TOP freed at once is handed back, unless the top kept is larger (an engine's,
+    # engines/builtin.py)
     (((True,),), 320, False), (((True, 512 << 20),), 320, True), (((True, 512 << 20), (True,)), 320, False)])
 def test_a_kept_large_chunk_s_pages_are_not_faulted_in_again(calls, mb, kept):
-    """heap.keep_freed_chunks(True): a 64 MB chunk freed and allocated again reuses its resident pages. Left to glibc,
-    or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages again. A 320 MB chunk
-    is handed back at KEEP_TOP and kept under a larger `top`, until a later call asks for KEEP_TOP again."""
+    """heap.keep_freed_chunks(True): a 64 MB chunk freed and allocated again reuses its resident pages. Left
+    to glibc, or after keep_freed_chunks(False), it is unmapped, and the new one faults in all its pages
+    again. A 320 MB chunk is handed back at KEEP_TOP and kept under a larger `top`, until a later call asks
+    for KEEP_TOP again."""
     script = KEEP.replace("CALLS", repr(calls)).replace("SIZE", str(mb << 20))
     faults = int(_run_with_libc(script, "_MALLOPT"))
-    assert faults < 16 if kept else faults >= mb // 2, faults  # 64 MB is 32 faults even in 2 MB transparent huge pages
+    # 64 MB is 32 faults even in 2 MB transparent huge pages
+    assert faults < 16 if kept else faults >= mb // 2, faults
 
 
 def _head_case(bias: bool):
-    """An output head of 300 tokens over 16 dimensions, 50 hidden rows, their targets and per-row loss weights."""
+    """An output head of 300 tokens over 16 dimensions, 50 hidden rows, their targets and per-row loss
+    weights."""
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=bias)
     with torch.no_grad():
@@ -365,9 +378,11 @@ def _head_case(bias: bool):
     return head, hidden, targets, torch.rand(50, generator=g)
 
 
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True),
+                                        (torch.bfloat16, False)])
 def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypatch, dtype, bias):
-    """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the same."""
+    """Past WHOLE_GRAD_BYTES the backward never holds the logits' [N, V] gradient; the gradients are the
+    same."""
     from trainer.head import _HeadLogprob, head_logprobs
 
     head, hidden, targets, weights = _head_case(bias)
@@ -389,14 +404,16 @@ def test_the_head_s_chunked_backward_gives_the_whole_gradient_s_values(monkeypat
 
 def test_the_head_s_chunks_reuse_one_set_of_buffers_a_pass(monkeypatch):
     """The forward and a recomputing backward each make their [chunk, V] buffers once and reuse them for every
-    chunk (a fresh 64 MB tensor faults in all its pages again on the CPU): 8 chunks, 2 float32 buffers a pass."""
+    chunk (a fresh 64 MB tensor faults in all its pages again on the CPU): 8 chunks, 2 float32 buffers a
+    pass."""
     from torch.profiler import profile
 
     import trainer.head as head_module
 
     head, hidden, targets, weights = _head_case(bias=False)
     chunk_bytes = 7 * 300 * 4
-    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", chunk_bytes)  # chunks of 7 rows: 8 chunks
+    # chunks of 7 rows: 8 chunks
+    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(head_module._HeadLogprob, "KEEP_LOGITS_BYTES", 0)  # the backward recomputes
     monkeypatch.setattr(head_module._HeadLogprob, "WHOLE_GRAD_BYTES", 0)  # chunk by chunk
     h = hidden.clone().requires_grad_()
@@ -410,13 +427,14 @@ def test_the_head_s_chunks_reuse_one_set_of_buffers_a_pass(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradients(monkeypatch, dtype):
-    """Small enough, the forward's logits serve the backward: no second lm_head matmul, the same bits; a second
-    backward (retain_graph) recomputes them, since the first overwrote them; a forward without gradients keeps
-    nothing."""
+    """Small enough, the forward's logits serve the backward: no second lm_head matmul, the same bits; a
+    second backward (retain_graph) recomputes them, since the first overwrote them; a forward without
+    gradients keeps nothing."""
     import trainer.head as head_module
 
     head, hidden, targets, weights = _head_case(bias=False)
-    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)  # chunks of 7 rows: 8 chunks
+    # chunks of 7 rows: 8 chunks
+    monkeypatch.setattr(head_module._HeadLogprob, "CPU_CHUNK_BYTES", 300 * 4 * 7)
     calls = []
     logits = head_module._logits
     monkeypatch.setattr(head_module, "_logits", lambda *a: calls.append(1) or logits(*a))
@@ -461,7 +479,8 @@ def test_the_head_s_backward_reuses_the_forward_s_logits_and_gets_the_same_gradi
 def test_a_frozen_reference_held_in_bf16_gives_the_same_logprobs_under_autocast(tiny_model_dir, tied):
     from trainer.policy import hold_frozen_in
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 tie_word_embeddings=tied)
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied
     reference = TokenLogprobs(model).eval().requires_grad_(False)
     batch = pack(_groups())
@@ -479,10 +498,10 @@ def test_a_frozen_reference_held_in_bf16_gives_the_same_logprobs_under_autocast(
 
 @pytest.mark.parametrize("whole", [1 << 30, 0])
 def test_a_frozen_head_s_backward_makes_only_the_hidden_rows_gradient(monkeypatch, whole):
-    """train.freeze_embeddings on a tied model freezes the head: no gradient for its weight, and the hidden rows'
-    gradient direction is made in the forward from its softmax, so the backward does no lm_head matmul at all
-    (a trained head's does two); the gradient is the trained head's, whole or chunk by
-    chunk, up to float32 rounding."""
+    """train.freeze_embeddings on a tied model freezes the head: no gradient for its weight, and the hidden
+    rows' gradient direction is made in the forward from its softmax, so the backward does no lm_head matmul
+    at all (a trained head's does two); the gradient is the trained head's, whole or chunk by chunk, up to
+    float32 rounding."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.head import _HeadLogprob, head_logprobs
@@ -510,10 +529,11 @@ def test_a_frozen_head_s_backward_makes_only_the_hidden_rows_gradient(monkeypatc
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_frozen_head_s_forward_made_gradient_is_as_close_to_float64_as_the_backward_s(monkeypatch, temperature):
-    """In bf16 the frozen head's direction, (softmax - onehot) @ W rounded before the rows' scale, is no further
-    from a float64 gradient than the backward's ((onehot - softmax) x scale) @ W, also on rows whose target has
-    most of the mass (where softmax - onehot must not be rounded before the subtraction)."""
+def test_a_frozen_head_s_forward_made_gradient_is_as_close_to_float64_as_the_backward_s(monkeypatch,
+                                                                                        temperature):
+    """In bf16 the frozen head's direction, (softmax - onehot) @ W rounded before the rows' scale, is no
+    further from a float64 gradient than the backward's ((onehot - softmax) x scale) @ W, also on rows whose
+    target has most of the mass (where softmax - onehot must not be rounded before the subtraction)."""
     from trainer.head import _HeadLogprob, head_logprobs
 
     g = torch.Generator().manual_seed(1)
@@ -536,7 +556,8 @@ def test_a_frozen_head_s_forward_made_gradient_is_as_close_to_float64_as_the_bac
         (out * weights).sum().backward()
         errors.append([((h.grad[rows].double() - h64.grad[rows]).norm() / h64.grad[rows].norm()).item()
                        for rows in (slice(None), slice(50))])
-    # (softmax rounded to bf16 before the onehot's subtraction: 1.5x and 11x the backward's on the confident rows)
+    # (softmax rounded to bf16 before the onehot's subtraction: 1.5x and 11x the backward's on the confident
+    # rows)
     for made, backward in zip(*errors):
         assert 0 < made <= 1.1 * backward < 0.1, errors
 
@@ -544,9 +565,10 @@ def test_a_frozen_head_s_forward_made_gradient_is_as_close_to_float64_as_the_bac
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("keep,whole", [(1 << 30, 1 << 30), (0, 0)])
 def test_the_head_s_entropy_gradient_is_plain_autograd_s(monkeypatch, trained, keep, whole):
-    """entropy_grad (train.entropy_coef): the entropy gets a gradient, for a frozen head made in the forward, for a
-    trained one in the backward (kept logits or recomputed, whole or chunk by chunk), and it is plain autograd's
-    over the [N, V] logits, the weight's and bias's too; without entropy_grad the entropy has none."""
+    """entropy_grad (train.entropy_coef): the entropy gets a gradient, for a frozen head made in the forward,
+    for a trained one in the backward (kept logits or recomputed, whole or chunk by chunk), and it is plain
+    autograd's over the [N, V] logits, the weight's and bias's too; without entropy_grad the entropy has
+    none."""
     from trainer.head import _HeadLogprob, head_logprobs
 
     head, hidden, targets, weights = _head_case(bias=trained)
@@ -564,7 +586,8 @@ def test_the_head_s_entropy_gradient_is_plain_autograd_s(monkeypatch, trained, k
     b_ref = None if head.bias is None else head.bias.detach().clone().requires_grad_(trained)
     log_p = torch.log_softmax(torch.nn.functional.linear(h_ref, w_ref, b_ref) / 0.7, -1)
     entropy = -(log_p.exp() * log_p).sum(-1)
-    ((log_p.gather(-1, targets[:, None]).squeeze(-1) * weights).sum() + (entropy * entropy_weights).sum()).backward()
+    ((log_p.gather(-1, targets[:, None]).squeeze(-1) * weights).sum()
+     + (entropy * entropy_weights).sum()).backward()
 
     torch.testing.assert_close(ent, entropy.detach())
     assert h_ref.grad.abs().sum() > 0
@@ -577,16 +600,17 @@ def test_the_head_s_entropy_gradient_is_plain_autograd_s(monkeypatch, trained, k
 
 
 def test_a_frozen_head_is_cast_once_while_its_values_last():
-    """Under autocast a frozen head (the tied embeddings) is cast to bf16 once, not in every forward and backward;
-    again after its values change in place or its storage is replaced; a trained head is left to the head's own
-    cast; and the logprobs are those of the cast made every time."""
+    """Under autocast a frozen head (the tied embeddings) is cast to bf16 once, not in every forward and
+    backward; again after its values change in place or its storage is replaced; a trained head is left to the
+    head's own cast; and the logprobs are those of the cast made every time."""
     from trainer.head import _frozen_cast, head_logprobs
 
     head, hidden, targets, _ = _head_case(bias=False)
     head.requires_grad_(False)
     cast = _frozen_cast(head.weight, torch.bfloat16)
     assert cast.dtype == torch.bfloat16 and torch.equal(cast, head.weight.to(torch.bfloat16))
-    assert _frozen_cast(head.weight, torch.bfloat16) is cast and _frozen_cast(head.weight, torch.float32) is head.weight
+    assert _frozen_cast(head.weight, torch.bfloat16) is cast \
+        and _frozen_cast(head.weight, torch.float32) is head.weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cached, _ = head_logprobs(hidden, head, targets, 0.7)
     with torch.no_grad():
@@ -603,8 +627,8 @@ def test_a_frozen_head_is_cast_once_while_its_values_last():
 
 
 def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir):
-    """train.freeze_layers / train.freeze_embeddings: those weights keep their values and get no AdamW state, the
-    backward records nothing below the first trained layer, and the rest trains."""
+    """train.freeze_layers / train.freeze_embeddings: those weights keep their values and get no AdamW state,
+    the backward records nothing below the first trained layer, and the rest trains."""
     import algos
     from launch.config import compose, parse
     from runtime.schema import RolloutConfig, TrainConfig
@@ -614,7 +638,8 @@ def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir
                       train=TrainConfig(autocast="none", lr=1e-2, freeze_layers=1, freeze_embeddings=True),
                       rollout=RolloutConfig(group_size=3, max_new_tokens=6))
     lm = learner.policy.lm
-    frozen = {"model.embed_tokens.weight"} | {f"model.layers.0.{n}" for n, _ in lm.model.layers[0].named_parameters()}
+    frozen = {"model.embed_tokens.weight"} \
+        | {f"model.layers.0.{n}" for n, _ in lm.model.layers[0].named_parameters()}
     before = {n: p.detach().clone() for n, p in lm.named_parameters()}
     recorded = []
     lm.model.layers[0].register_forward_hook(lambda m, i, out: recorded.append(out[0].requires_grad))
@@ -625,7 +650,8 @@ def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir
     assert changed == set(before) - frozen and "model.layers.1.mlp.up_proj.weight" in changed
     in_optimizer = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for n, p in lm.named_parameters() if n not in frozen}
-    with pytest.raises(ValueError, match="train.freeze_layers=3: the model has 2 decoder layers; freeze at most 2"):
+    with pytest.raises(ValueError,
+                       match="train.freeze_layers=3: the model has 2 decoder layers; freeze at most 2"):
         Learner(model_path=tiny_model_dir, algo=algos.get("grpo").Config(),
                 train=TrainConfig(autocast="none", freeze_layers=3), rollout=RolloutConfig(group_size=3))
     with pytest.raises(ValueError, match="LoRA already trains only its adapters"):
@@ -633,8 +659,8 @@ def test_freeze_layers_and_embeddings_train_only_the_layers_above(tiny_model_dir
 
 
 def test_the_model_flops_of_a_trained_token_count_only_the_backward_that_runs(tiny_model_dir):
-    """perf/learner_mfu's numerator: 6 x parameters when everything trains; frozen bottom layers save their share
-    of both backward products, a frozen tied embedding its weight's gradient."""
+    """perf/learner_mfu's numerator: 6 x parameters when everything trains; frozen bottom layers save their
+    share of both backward products, a frozen tied embedding its weight's gradient."""
     from trainer.freeze import freeze, train_flops_per_token
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -648,7 +674,8 @@ def test_the_model_flops_of_a_trained_token_count_only_the_backward_that_runs(ti
 
 def test_resuming_with_other_frozen_weights_than_the_checkpoint_s_is_refused(tiny_model_dir):
     """A checkpoint's AdamW state for a weight this run freezes would be dropped without a word (torch's
-    set_optimizer_state_dict skips it): resume= from a run that trained its embeddings needs freeze_embeddings=false."""
+    set_optimizer_state_dict skips it): resume= from a run that trained its embeddings needs
+    freeze_embeddings=false."""
     import algos
     from runtime.schema import RolloutConfig, TrainConfig
     from trainer.learner import Learner
@@ -663,13 +690,15 @@ def test_resuming_with_other_frozen_weights_than_the_checkpoint_s_is_refused(tin
     from launch.plan import free_port
     from trainer.policy import init_gloo
 
-    init_gloo(0, 1, free_port())  # the optimizer's state dict is a collective under FSDP2, a group of one here
+    # the optimizer's state dict is a collective under FSDP2, a group of one here
+    init_gloo(0, 1, free_port())
     try:
         trained_all = learner(False).optimizer_state()
         assert "lm.model.embed_tokens.weight" in trained_all["state"]
         learner(False).load_optimizer_state(trained_all)  # the same weights: loads
-        with pytest.raises(ValueError, match=r"the checkpoint trained model.embed_tokens.weight \(1 weights\), "
-                                             r"which this run freezes; .*train.freeze_embeddings=false"):
+        with pytest.raises(ValueError,
+                           match=r"the checkpoint trained model.embed_tokens.weight \(1 weights\), "
+                                 r"which this run freezes; .*train.freeze_embeddings=false"):
             learner(True).load_optimizer_state(trained_all)
         with pytest.raises(ValueError, match="the checkpoint did not train model.embed_tokens.weight"):
             learner(False).load_optimizer_state(learner(True).optimizer_state())

@@ -31,7 +31,8 @@ def test_engine_name_strips_wrappers():
     assert engine_name("lm.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert engine_name("_orig_mod.lm.model.norm.weight") == "model.norm.weight"
     assert engine_name("module.lm.lm_head.weight") == "lm_head.weight"
-    assert (engine_name("lm.model.layers.3._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.weight")
+    assert (engine_name("lm.model.layers.3._fsdp_wrapped_module._checkpoint_wrapped_module."
+                        "self_attn.q_proj.weight")
             == "model.layers.3.self_attn.q_proj.weight")
     assert engine_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
 
@@ -48,9 +49,11 @@ def gloo():
 def test_sharded_policy_maps_to_hf_names(gloo, sharding, tied):
     lm = tiny_lm(tied)
     reference = {k: v.clone() for k, v in lm.state_dict().items()}
-    policy = shard(TokenLogprobs(lm)) if sharding == "cpu" else shard_gpu(TokenLogprobs(lm), checkpointing=True)
+    policy = shard(TokenLogprobs(lm)) if sharding == "cpu" \
+        else shard_gpu(TokenLogprobs(lm), checkpointing=True)
     expected = sorted(k for k in reference if not (tied and k == "lm_head.weight"))
-    assert sorted(n for n, _, _ in weight_specs(policy.state_dict().items(), tied, torch.bfloat16)) == expected
+    assert sorted(n for n, _, _ in weight_specs(policy.state_dict().items(), tied, torch.bfloat16)) \
+        == expected
     assert sorted(engine_name(n) for n, _ in policy.named_parameters()) == sorted(
         k for k in reference if not (tied and k == "lm_head.weight"))  # parameters: wrapper names inside
     got = dict(engine_weights(policy.state_dict().items(), tied))
@@ -75,10 +78,11 @@ def test_buckets_keep_order_and_size_limit():
 
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 def test_pack_writes_the_bytes_a_cast_and_copy_wrote(source):
-    """pack casts as it copies into the bucket: the bytes of `tensor.to(bf16).contiguous()`, from a non-contiguous
-    source too, at a slot that does not start the bucket."""
+    """pack casts as it copies into the bucket: the bytes of `tensor.to(bf16).contiguous()`, from a
+    non-contiguous source too, at a slot that does not start the bucket."""
     torch.manual_seed(0)
-    tensors = [torch.randn(3, 5).to(source), torch.randn(6, 4).to(source).t(), torch.randn(7).to(source) * 1e5]
+    tensors = [torch.randn(3, 5).to(source), torch.randn(6, 4).to(source).t(),
+               torch.randn(7).to(source) * 1e5]
     (slots,) = plan_buckets([(f"w{i}", t.shape, torch.bfloat16) for i, t in enumerate(tensors)], 1 << 20)
     flat = torch.zeros(slots[-1].end, dtype=torch.uint8)
     for slot, tensor in zip(slots, tensors):
@@ -102,7 +106,8 @@ def test_send_buckets_round_trip_in_bf16():
     assert indices == list(range(len(buckets)))
     assert list(received) == [n for n, _ in named]
     for name, tensor in named:
-        assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], tensor.to(torch.bfloat16))
+        assert received[name].dtype == torch.bfloat16 \
+            and torch.equal(received[name], tensor.to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="bucket plan"):
         send_buckets(reversed(named), buckets, "cpu", ship)
     calls = []
@@ -168,7 +173,8 @@ def test_sglang_refusals_stop_with_their_message():
 
     check_sglang((True, "Success"), "begin_weight_update")
     check_sglang(None)  # calls that answer nothing
-    with pytest.raises(RuntimeError, match="SGLang refused end_weight_update: no weight-update session is open"):
+    with pytest.raises(RuntimeError,
+                       match="SGLang refused end_weight_update: no weight-update session is open"):
         check_sglang((False, "no weight-update session is open"), "end_weight_update")
     with pytest.raises(RuntimeError, match="refused the weight update: bad"):
         check_sglang({"success": False, "message": "bad"})
@@ -179,5 +185,6 @@ def test_sglang_refusals_stop_with_their_message():
 
     backend = object.__new__(SGLangBackend)  # without starting SGLang
     backend.engine = Refusing()
-    with pytest.raises(RuntimeError, match="SGLang refused begin_weight_update: a weight-update session is already"):
+    with pytest.raises(RuntimeError,
+                       match="SGLang refused begin_weight_update: a weight-update session is already"):
         backend.begin_update()

@@ -1,4 +1,5 @@
-"""The weight store never lets a reader see a torn snapshot, and converts into whatever targets the engine has."""
+"""The weight store never lets a reader see a torn snapshot, and converts into whatever targets the engine
+has."""
 import time
 
 import pytest
@@ -17,7 +18,8 @@ LAST_VERSION = 200  # every version is exact in bf16 (integers up to 256)
 
 
 def _write_versions(store: WeightStore):
-    torch.set_num_threads(1)  # two processes of two OpenMP threads each on 2 cores spin-wait each other to a crawl
+    # two processes of two OpenMP threads each on 2 cores spin-wait each other to a crawl
+    torch.set_num_threads(1)
     for v in range(1, LAST_VERSION + 1):
         store.publish(((name, torch.full(shape, float(v))) for name, (shape, _) in SHAPES.items()), version=v)
         if v % 3 == 0:
@@ -86,12 +88,15 @@ def test_publish_and_read_in_process():
 
 
 def test_for_model_keeps_floating_state_and_tied_weights():
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False), torch.nn.BatchNorm1d(10))
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False),
+                                torch.nn.BatchNorm1d(10))
     model[1].weight = model[0].weight  # tied, as in SmolLM2
     store = WeightStore.for_model(model)
-    assert set(store.names) == {"0.weight", "1.weight", "2.weight", "2.bias", "2.running_mean", "2.running_var"}
+    assert set(store.names) \
+        == {"0.weight", "1.weight", "2.weight", "2.bias", "2.running_mean", "2.running_var"}
     store.publish([(k, v) for k, v in model.state_dict().items() if v.is_floating_point()], version=1)
-    copy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False), torch.nn.BatchNorm1d(10))
+    copy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False),
+                               torch.nn.BatchNorm1d(10))
     store.read_into(dict(copy.named_parameters()))
     assert torch.equal(copy[1].weight, model[0].weight) and torch.equal(copy[0].weight, model[0].weight)
 

@@ -34,7 +34,8 @@ def tiny_config(kind: str, vocab: int = 512, **extra):
     else:
         raise ValueError(kind)
     model_type = "llama" if kind == "llama3" else kind
-    return AutoConfig.for_model(model_type, vocab_size=vocab, **tokens, **{**values, **extra})  # extra may override
+    # extra may override
+    return AutoConfig.for_model(model_type, vocab_size=vocab, **tokens, **{**values, **extra})
 
 
 def tiny_model(kind: str, vocab: int = 512, seed: int = 0, **extra):

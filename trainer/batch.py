@@ -19,8 +19,8 @@ class Batch:
     segments: torch.Tensor  # [G, L] 0 prompt, i + 1 completion i, PAD padding
     gather: torch.Tensor  # [G, K * T] row index whose output predicts completion token t
     targets: torch.Tensor  # [G * K, T] completion tokens (0 in padding)
-    # [G * K, T] float, 1.0 on the tokens the policy sampled (the record's loss mask): 0.0 on padding and on the
-    # environment's tokens of a multi-turn episode, which every loss, count and diagnostic leaves out
+    # [G * K, T] float, 1.0 on the tokens the policy sampled (the record's loss mask): 0.0 on padding and on
+    # the environment's tokens of a multi-turn episode, which every loss, count and diagnostic leaves out
     mask: torch.Tensor
     behav_logprobs: torch.Tensor  # [G * K, T], 0 where mask is 0
     versions: torch.Tensor  # [G * K, T] policy version that sampled each token (-1 where mask is 0)
@@ -59,9 +59,9 @@ class Batch:
                      self.versions[seqs, :t], self.rewards[seqs], self.lens[seqs], k)
 
     def untied(self, multiple: int) -> list[int]:
-        """The groups whose K rewards do not all tie, in order, topped up with the first tied ones to a positive
-        multiple of `multiple` (the ranks: each takes an equal share): under a rule whose advantage is zero on a
-        tie, the groups left out add nothing to the loss or its gradient."""
+        """The groups whose K rewards do not all tie, in order, topped up with the first tied ones to a
+        positive multiple of `multiple` (the ranks: each takes an equal share): under a rule whose advantage
+        is zero on a tie, the groups left out add nothing to the loss or its gradient."""
         rewards = self.rewards.view(-1, self.group_size)
         tied = (rewards == rewards[:, :1]).all(1).tolist()
         keep = [g for g, t in enumerate(tied) if not t]
@@ -76,8 +76,8 @@ class Batch:
 
 
 def batch_for(groups: list, loss_fn) -> Batch:
-    """The groups packed for the learner: whole, or as much of each as the rule reads (its `trim_group`: online_dpo's
-    chosen and rejected completions)."""
+    """The groups packed for the learner: whole, or as much of each as the rule reads (its `trim_group`:
+    online_dpo's chosen and rejected completions)."""
     trim = getattr(loss_fn, "trim_group", None)
     return pack([trim(g) for g in groups] if trim else groups)
 
@@ -114,13 +114,14 @@ def pack(groups: list) -> Batch:
             targets[seq, :c] = tokens
             sampled = g.loss_mask[i, :c]
             mask[seq, :c] = sampled.float()
-            # Whatever the record holds where the policy sampled nothing stays out of every product with the mask.
+            # Whatever the record holds where the policy sampled nothing stays out of every product with the
+            # mask.
             behav[seq, :c] = torch.where(sampled, g.logprobs[i, :c], 0.0)
             versions[seq, :c] = torch.where(sampled, g.versions[i, :c], -1)
             rewards[seq] = g.rewards[i]
             offset += c
-    return Batch(input_ids, position_ids, segments, gather.view(count, k * steps), targets, mask, behav, versions,
-                 rewards, torch.tensor([n for row in lens for n in row]), k)
+    return Batch(input_ids, position_ids, segments, gather.view(count, k * steps), targets, mask, behav,
+                 versions, rewards, torch.tensor([n for row in lens for n in row]), k)
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,12 @@ class SharedPrefix:
 
 
 def hoist_prefix(input_ids, position_ids, segments, gather):
-    """Packed rows [G, L] (and their `gather` [G, K*T]) with the prompts' common prefix kept once: in the shortest
-    row, the others shifted left past it (their positions unchanged). Returns (input_ids, position_ids, segments,
-    gather, SharedPrefix) for rows of L' < L tokens, or None where that would not shorten them (one row, no common
-    prefix, rows of one length). The prompts of the default task share 27 of their 45 tokens (SmolLM2's system prompt
-    and "What is "): bench.train_step's 4-group pass drops from 4 x 132 tokens to 4 x 105."""
+    """Packed rows [G, L] (and their `gather` [G, K*T]) with the prompts' common prefix kept once: in the
+    shortest row, the others shifted left past it (their positions unchanged). Returns (input_ids,
+    position_ids, segments, gather, SharedPrefix) for rows of L' < L tokens, or None where that would not
+    shorten them (one row, no common prefix, rows of one length). The prompts of the default task share 27 of
+    their 45 tokens (SmolLM2's system prompt and "What is "): bench.train_step's 4-group pass drops from
+    4 x 132 tokens to 4 x 105."""
     rows, length = segments.shape
     if rows < 2:
         return None
@@ -171,14 +173,15 @@ def pass_tokens(micro_tokens: int, device_type: str) -> int:
     return micro_tokens if micro_tokens >= 0 else PASS_TOKENS.get(device_type, PASS_TOKENS["cpu"])
 
 
-def micro_batches(row_lens: list[int], ranks: int, max_groups: int, max_tokens: int) -> list[list[tuple[int, int]]]:
+def micro_batches(row_lens: list[int], ranks: int, max_groups: int,
+                  max_tokens: int) -> list[list[tuple[int, int]]]:
     """Each rank's forward/backward passes over its share of the groups, as [start, stop) group ranges.
 
     Rank r takes groups [r * n, (r + 1) * n) of the batch, n = len(row_lens) // ranks. A pass holds at most
-    `max_groups` groups and, with `max_tokens`, at most that many padded tokens (groups x its longest row): the
-    activations a pass keeps for its backward grow with that, so long completions go through a few groups at a
-    time (AReaL's dynamic micro-batching). A group longer than the budget goes alone. Every rank gets the same
-    number of passes, since FSDP2's gathers run once per pass on every rank: a rank with fewer splits its
+    `max_groups` groups and, with `max_tokens`, at most that many padded tokens (groups x its longest row):
+    the activations a pass keeps for its backward grow with that, so long completions go through a few groups
+    at a time (AReaL's dynamic micro-batching). A group longer than the budget goes alone. Every rank gets the
+    same number of passes, since FSDP2's gathers run once per pass on every rank: a rank with fewer splits its
     biggest passes in two.
     """
     per_rank = len(row_lens) // ranks

@@ -44,15 +44,16 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
         AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
         if state is not None:
             torch.save(state, os.path.join(tmp, STATE_FILE))
-            with open(os.path.join(tmp, PROGRESS_FILE), "w") as f:  # what the launcher needs, without the 1 GB
+            # what the launcher needs, without the 1 GB
+            with open(os.path.join(tmp, PROGRESS_FILE), "w") as f:
                 json.dump({k: state[k] for k in ("step", "time_s", "next_group")}, f)
         _fsync_dir(tmp)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written one; the previous checkpoint is untouched
         if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
             gb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
-            full = OSError(f"no space left on the device for checkpoint step_{step} in {root} (the weights alone "
-                           f"are {gb:.1f} GB; the previous checkpoint is intact): free space, or set "
+            full = OSError(f"no space left on the device for checkpoint step_{step} in {root} (the weights "
+                           f"alone are {gb:.1f} GB; the previous checkpoint is intact): free space, or set "
                            "checkpoint.keep=1 or checkpoint.at_end=false")
             full.errno = errno.ENOSPC
             raise full from None
@@ -73,8 +74,8 @@ def save_checkpoint(policy, model_path: str, run_dir: str, step: int, state: dic
 
 
 def gathered_weights(policy) -> dict[str, torch.Tensor]:
-    """The full weights under their Hugging Face names, gathered into rank 0's CPU memory one tensor at a time (a
-    collective; the other ranks get {}): no full copy of the model on a GPU, nor on every rank."""
+    """The full weights under their Hugging Face names, gathered into rank 0's CPU memory one tensor at a time
+    (a collective; the other ranks get {}): no full copy of the model on a GPU, nor on every rank."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(policy, options=options)
     return {engine_name(name): tensor.detach().clone() for name, tensor in state.items()}

@@ -3,11 +3,12 @@
 For each completion token, with pi_behav the engine's logprob when it sampled it and pi_train the trainer's at
 the weights it holds before the batch's first update (w = pi_train / pi_behav):
     abs_logprob_diff = mean |log pi_behav - log pi_train|
-    kl               = mean (w - 1 - log w)            k3 estimate of KL(behav || train) on behav's samples, >= 0
-Under `mismatch/` for the tokens sampled by the very version the trainer holds: both sides are the same weights,
-so what is left is numerics (a bf16 engine against an autocast trainer) or a sampling mismatch (temperature,
-top-p); under `offpolicy/` for the older tokens, where the weights differ as well. Over all tokens:
-    offpolicy/ess    = (sum w)^2 / (N sum w^2)         effective sample size of w, as a fraction of N tokens
+    kl               = mean (w - 1 - log w)         k3 estimate of KL(behav || train) on behav's samples, >= 0
+Under `mismatch/` for the tokens sampled by the very version the trainer holds: both sides are the same
+weights, so what is left is numerics (a bf16 engine against an autocast trainer) or a sampling mismatch
+(temperature, top-p); under `offpolicy/` for the older tokens, where the weights differ as well. Over all
+tokens:
+    offpolicy/ess    = (sum w)^2 / (N sum w^2)      effective sample size of w, as a fraction of N tokens
     policy/entropy   = mean over tokens of -sum_v pi_train(v) log pi_train(v)
 Sums gather over micro-batches and ranks before the division; a key whose tokens are absent this step is left
 out.
@@ -28,8 +29,8 @@ class OffPolicyStats:
 
     def add(self, train_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor,
             versions: torch.Tensor, entropy: torch.Tensor) -> None:
-        """[n, T] each: the trainer's logprobs (no grad), the engine's, the completion mask, the sampling version of
-        each token, the trainer's entropy."""
+        """[n, T] each: the trainer's logprobs (no grad), the engine's, the completion mask, the sampling
+        version of each token, the trainer's entropy."""
         with torch.no_grad():
             log_w = (train_logprobs.double() - behav_logprobs.double()) * mask
             w = log_w.exp() * mask

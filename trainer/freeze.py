@@ -1,5 +1,5 @@
-"""Partial fine-tuning (`train.freeze_embeddings`, `train.freeze_layers`): which weights train, and the model FLOPs
-a trained token costs when some do not."""
+"""Partial fine-tuning (`train.freeze_embeddings`, `train.freeze_layers`): which weights train, and the model
+FLOPs a trained token costs when some do not."""
 from torch import nn
 
 from trainer.policy import decoder_layers
@@ -18,9 +18,11 @@ def freeze(lm: nn.Module, layers: int, embeddings: bool) -> None:
 
 
 def check_freeze_layers(layers: int, count: int) -> None:
-    """train.freeze_layers against the model's `count` decoder layers (the launcher checks before any process)."""
+    """train.freeze_layers against the model's `count` decoder layers (the launcher checks before any
+    process)."""
     if layers > count:
-        raise ValueError(f"train.freeze_layers={layers}: the model has {count} decoder layers; freeze at most {count}")
+        raise ValueError(f"train.freeze_layers={layers}: the model has {count} decoder layers; "
+                         f"freeze at most {count}")
 
 
 def train_flops_per_token(lm: nn.Module) -> int:

@@ -6,11 +6,11 @@
 
 The CPU policy (trainer/policy.py) packs a group as one row, its prompt once and its K completions attending
 into it, with a [L, L] mask. `GPUTokenLogprobs` keeps that layout through the forward wherever the attention
-takes a mask (sdpa, eager: what the GPU plan runs without flash-attn installed), so each prompt is computed once
-per group and the attention is one [L, L] square per group. Only flash-attn's variable-length kernel takes no
-such mask: under `flash_attention_2` every completion becomes its own sequence (prompt + completion), all of them
-back to back in one row with positions restarting at 0 (cu_seqlens from the positions), and the prompt is
-computed K times: the price of the kernel.
+takes a mask (sdpa, eager: what the GPU plan runs without flash-attn installed), so each prompt is computed
+once per group and the attention is one [L, L] square per group. Only flash-attn's variable-length kernel
+takes no such mask: under `flash_attention_2` every completion becomes its own sequence (prompt + completion),
+all of them back to back in one row with positions restarting at 0 (cu_seqlens from the positions), and the
+prompt is computed K times: the price of the kernel.
 """
 import importlib.metadata
 from dataclasses import dataclass
@@ -82,8 +82,9 @@ class GPUPlacement:
 
     def load(self, path: str, world_size: int, frozen: bool = False, compile: bool = False,
              adapters=None) -> "GPUTokenLogprobs":
-        """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32 master
-        weights and computes in bf16. `adapters`: LoRA on a frozen base (trainer/lora.py; not yet run on a GPU)."""
+        """The policy (or, frozen, the reference policy), sharded even on one rank: FSDP2 keeps the fp32
+        master weights and computes in bf16. `adapters`: LoRA on a frozen base (trainer/lora.py; not yet run
+        on a GPU)."""
         lm = load_lm(path)
         policy = GPUTokenLogprobs(adapters.apply(lm) if adapters else lm).to(self.device)
         if compile:
@@ -94,9 +95,11 @@ class GPUPlacement:
 
 
 def shard_gpu(policy: TokenLogprobs, checkpointing: bool = False, reshard_after_forward: bool = True):
-    """FSDP2 as torchtitan applies it: per decoder layer, then the root, bf16 compute, fp32 gradient reduction.
+    """FSDP2 as torchtitan applies it: per decoder layer, then the root, bf16 compute, fp32 gradient
+    reduction.
 
-    checkpointing: recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
+    checkpointing: recompute each layer's activations in the backward pass (less memory, ~30% more
+    compute)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if checkpointing:
         checkpoint_layers(policy)
@@ -113,14 +116,16 @@ VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3")  # attention that ta
 
 class GPUTokenLogprobs(TokenLogprobs):
     """TokenLogprobs with the same inputs and outputs: the shared-prompt layout as on the CPU, or, under a
-    variable-length kernel (`varlen`, from the model's attention implementation), one row of separate sequences."""
+    variable-length kernel (`varlen`, from the model's attention implementation), one row of separate
+    sequences."""
 
     def __init__(self, lm: nn.Module, varlen: bool | None = None):
         super().__init__(lm)
-        self.varlen = getattr(lm.config, "_attn_implementation", None) in VARLEN_KERNELS if varlen is None else varlen
+        self.varlen = (getattr(lm.config, "_attn_implementation", None) in VARLEN_KERNELS if varlen is None
+                       else varlen)
 
-    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float, entropy: bool = False,
-                entropy_grad: bool = False):
+    def forward(self, input_ids, position_ids, segments, gather, targets, temperature: float,
+                entropy: bool = False, entropy_grad: bool = False):
         # input_ids, position_ids, segments [G, L]; gather [G, K*T]; targets [G*K, T] -> logprobs [G*K, T]
         if not self.varlen:
             return super().forward(input_ids, position_ids, segments, gather, targets, temperature, entropy,
@@ -128,8 +133,10 @@ class GPUTokenLogprobs(TokenLogprobs):
         order, picks = varlen_layout(segments, gather, targets.shape[0] // segments.shape[0])
         order, picks = order.to(input_ids.device), picks.to(input_ids.device)
         ids = input_ids.reshape(-1)[order][None]  # [1, N]
-        positions = position_ids.reshape(-1)[order][None]  # restart at 0 with each sequence: the packing signal
-        hidden = self.lm.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+        # restart at 0 with each sequence: the packing signal
+        positions = position_ids.reshape(-1)[order][None]
+        hidden = self.lm.base_model(input_ids=ids, position_ids=positions,
+                                    use_cache=False).last_hidden_state[0]
         return self.head(hidden[picks].flatten(0, 1), targets, temperature, entropy, entropy_grad)
 
 

@@ -1,5 +1,5 @@
-"""The output head's per-token log-probabilities, without the [rows, vocabulary] tensors plain autograd would hold:
-`head_logprobs` for `TokenLogprobs.head` (trainer/policy.py)."""
+"""The output head's per-token log-probabilities, without the [rows, vocabulary] tensors plain autograd would
+hold: `head_logprobs` for `TokenLogprobs.head` (trainer/policy.py)."""
 import weakref
 
 import torch
@@ -14,45 +14,48 @@ def head_logprobs(hidden, head: nn.Linear, targets, temperature: float, entropy:
     `entropy_grad` (train.entropy_coef), which costs the frozen head's forward one more lm_head matmul."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    return _HeadLogprob.apply(hidden, _frozen_cast(head.weight, dtype), head.bias, targets, temperature, dtype,
-                              entropy, torch.is_grad_enabled(), entropy and entropy_grad)
+    return _HeadLogprob.apply(hidden, _frozen_cast(head.weight, dtype), head.bias, targets, temperature,
+                              dtype, entropy, torch.is_grad_enabled(), entropy and entropy_grad)
 
 
 _casts: dict[int, tuple] = {}  # id(weight) -> (its weak reference, what it was cast from, the cast)
 
 
 def _frozen_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A frozen weight (train.freeze_embeddings: the tied head) in `dtype`, cast once while its values last (its
-    version counter and storage unchanged), not twice a step: 20 ms each for SmolLM2's 28M in bf16 on 2 cores.
-    A trained weight is returned as it is (the head casts it)."""
+    """A frozen weight (train.freeze_embeddings: the tied head) in `dtype`, cast once while its values last
+    (its version counter and storage unchanged), not twice a step: 20 ms each for SmolLM2's 28M in bf16 on
+    2 cores. A trained weight is returned as it is (the head casts it)."""
     if weight.requires_grad or weight.dtype == dtype:
         return weight
     key, held = (weight._version, weight.data_ptr(), dtype), _casts.get(id(weight))
     if held is None or held[0]() is not weight or held[1] != key:
-        forget = weakref.ref(weight, lambda _, i=id(weight): _casts.pop(i, None))  # the cast goes with the weight
+        # the cast goes with the weight
+        forget = weakref.ref(weight, lambda _, i=id(weight): _casts.pop(i, None))
         held = _casts[id(weight)] = (forget, key, weight.detach().to(dtype))
     return held[2]
 
 
 class _HeadLogprob(torch.autograd.Function):
-    """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N] float32.
+    """log_softmax((h @ W.T + b) / temperature)[target] for rows h [N, d], W [V, d], b [V] or None -> [N]
+    float32.
 
-    Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). A frozen head (no gradient for W or b: the tied
-    embeddings under train.freeze_embeddings, the default) has the forward make the rows' gradient direction
-    (softmax - onehot) @ W [N, d] from each chunk's softmax, and the backward scale it: two lm_head matmuls in all and
-    nothing [N, V] held. A trained head's forward keeps the chunks' float32 softmax for the backward while all of them
-    fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one lm_head matmul fewer, `python -m
-    bench.train_step --head-logits both`); past that the backward recomputes each chunk's logits (one more lm_head
-    matmul) instead of holding them. Plain autograd would write the logits, a
-    float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those passes cost more
-    than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one micro-batch of long
-    completions. The backward holds the logits' gradient [N, V] in the compute dtype only while it is at most
-    WHOLE_GRAD_BYTES (two matmuls over all rows); past that, as for GSM8K's 8 x 512-token groups (400 MB), it goes
-    chunk by chunk, the weight's gradient summed in float32.
+    Rows go through in chunks (64 MB on the CPU, 1 GB on a GPU). A frozen head (no gradient for W or b: the
+    tied embeddings under train.freeze_embeddings, the default) has the forward make the rows' gradient
+    direction (softmax - onehot) @ W [N, d] from each chunk's softmax, and the backward scale it: two lm_head
+    matmuls in all and nothing [N, V] held. A trained head's forward keeps the chunks' float32 softmax for the
+    backward while all of them fit in KEEP_LOGITS_BYTES (the default run's ~300 completion tokens: 57 MB; one
+    lm_head matmul fewer, `python -m bench.train_step --head-logits both`); past that the backward recomputes
+    each chunk's logits (one more lm_head matmul) instead of holding them. Plain autograd would write the
+    logits, a float32 copy, a dense gradient and log_softmax's backward over it: on a 1-thread CPU those
+    passes cost more than the matmuls, and on a GPU with a 150k vocabulary they would take tens of GB for one
+    micro-batch of long completions. The backward holds the logits' gradient [N, V] in the compute dtype only
+    while it is at most WHOLE_GRAD_BYTES (two matmuls over all rows); past that, as for GSM8K's 8 x 512-token
+    groups (400 MB), it goes chunk by chunk, the weight's gradient summed in float32.
     """
     CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 64 << 20, 1 << 30
     WHOLE_GRAD_BYTES = KEEP_LOGITS_BYTES = 256 << 20
-    FROZEN_DIRECTION = True  # False: a frozen head's backward as a trained one's (bench.train_step --head-logits)
+    # False: a frozen head's backward as a trained one's (bench.train_step --head-logits)
+    FROZEN_DIRECTION = True
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, dtype, entropy, grad_enabled, entropy_grad):
@@ -65,21 +68,24 @@ class _HeadLogprob(torch.autograd.Function):
             b = None if bias is None else bias.to(dtype)
             out = torch.empty(len(h), device=device)
             ent = torch.empty(len(h) if entropy else 0, device=device)
-            # a frozen head (the tied embeddings under train.freeze_embeddings, LoRA): the rows' gradient is made
-            # here, from the softmax at hand, and the backward only scales it: one lm_head matmul and one [rows, V]
-            # pass fewer than recomputing the logits there, and nothing [rows, V] held between the two
+            # a frozen head (the tied embeddings under train.freeze_embeddings, LoRA): the rows' gradient is
+            # made here, from the softmax at hand, and the backward only scales it: one lm_head matmul and one
+            # [rows, V] pass fewer than recomputing the logits there, and nothing [rows, V] held between the
+            # two
             direction = torch.empty(len(h), w.shape[1], dtype=dtype, device=device) \
                 if needs_h and not needs_w and not needs_b and _HeadLogprob.FROZEN_DIRECTION else None
             # the entropy's, likewise: (softmax * (log_softmax + H)) @ W, -temperature x d H / d h
-            entropy_direction = torch.empty_like(direction) if entropy_grad and direction is not None else None
-            # a trained head's backward, when the softmax is small: it then needs no second lm_head matmul (the
-            # entropy's gradient takes the log-softmax, which it recomputes)
+            entropy_direction = torch.empty_like(direction) \
+                if entropy_grad and direction is not None else None
+            # a trained head's backward, when the softmax is small: it then needs no second lm_head matmul
+            # (the entropy's gradient takes the log-softmax, which it recomputes)
             keep = direction is None and (needs_h or needs_w or needs_b) and not entropy_grad and \
                 len(h) * w.shape[0] * 4 <= _HeadLogprob.KEEP_LOGITS_BYTES
             kept = torch.empty(len(h), w.shape[0], device=device) if keep else None
             chunks = _chunks(len(h), w.shape[0], chunk)
             scratch = _Scratch(chunks[0].stop, w.shape[0], dtype, device)
-            minus_one = torch.full((chunks[0].stop, 1), -1.0, device=device) if direction is not None else None
+            minus_one = torch.full((chunks[0].stop, 1), -1.0, device=device) \
+                if direction is not None else None
             for rows in chunks:
                 log_probs = _log_probs(h[rows], w, b, temperature, scratch)
                 n = len(log_probs)
@@ -91,7 +97,8 @@ class _HeadLogprob(torch.autograd.Function):
                     if entropy_direction is not None:  # log_probs' last use: overwritten in place
                         _times_weight(log_probs.add_(ent[rows, None]).mul_(probs), w, scratch,
                                       entropy_direction[rows])
-                    if direction is not None:  # (softmax - onehot(target)) @ W: -temperature x d logprob / d h
+                    # (softmax - onehot(target)) @ W: -temperature x d logprob / d h
+                    if direction is not None:
                         _times_weight(probs.scatter_add_(-1, targets[rows, None], minus_one[:n]), w, scratch,
                                       direction[rows])
         if direction is not None:
@@ -118,7 +125,8 @@ class _HeadLogprob(torch.autograd.Function):
         h, weight, bias, targets, ent = ctx.saved_tensors
         entropy_scale = None if ent is None else entropy_grad / temp
 
-        kept, ctx.kept = ctx.kept, None  # the forward's softmax, overwritten below: a second backward recomputes
+        # the forward's softmax, overwritten below: a second backward recomputes
+        kept, ctx.kept = ctx.kept, None
 
         def grad_logits(rows, w, b):  # d logprob / d logits = (onehot(target) - softmax) / temperature
             term = None
@@ -137,7 +145,8 @@ class _HeadLogprob(torch.autograd.Function):
             chunks = _chunks(len(h), w.shape[0], ctx.chunk)
             scratch = _Scratch(chunks[0].stop, w.shape[0], h.dtype, h.device)  # pages touched only if used
             if len(h) * w.shape[0] * h.element_size() <= _HeadLogprob.WHOLE_GRAD_BYTES:
-                # in float32 the gradient takes the kept logits' place: no more memory than before they were kept
+                # in float32 the gradient takes the kept logits' place: no more memory than before they were
+                # kept
                 same = kept is not None and kept.dtype == h.dtype
                 whole = kept if same else torch.empty(len(h), w.shape[0], dtype=h.dtype, device=h.device)
                 for rows in chunks:
@@ -168,10 +177,11 @@ class _HeadLogprob(torch.autograd.Function):
 
 
 class _Scratch:
-    """Where a chunk's logits go, made once a forward or a backward and reused by every chunk: on the CPU a fresh
-    64 MB tensor is a new mapping whose pages fault in, zeroed, at every chunk, which cost more than the passes over
-    them (ac48462, docs/benchmarks.md, "Faster to a reward"). `matmul` in the compute dtype, `logits` in float32
-    (the same buffer in float32), `log_probs` float32; `logits` serves again for the entropy's softmax."""
+    """Where a chunk's logits go, made once a forward or a backward and reused by every chunk: on the CPU a
+    fresh 64 MB tensor is a new mapping whose pages fault in, zeroed, at every chunk, which cost more than the
+    passes over them (ac48462, docs/benchmarks.md, "Faster to a reward"). `matmul` in the compute dtype,
+    `logits` in float32 (the same buffer in float32), `log_probs` float32; `logits` serves again for the
+    entropy's softmax."""
 
     def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
         self.matmul = torch.empty(rows, vocab, dtype=dtype, device=device)
@@ -180,8 +190,8 @@ class _Scratch:
 
 
 def _times_weight(values, w, scratch: _Scratch, out):
-    """values [n, V] (float32) @ W [V, d] into out, in W's dtype (through scratch.matmul, free once a chunk's logits
-    were copied out of it)."""
+    """values [n, V] (float32) @ W [V, d] into out, in W's dtype (through scratch.matmul, free once a chunk's
+    logits were copied out of it)."""
     if values.dtype != w.dtype:
         values = scratch.matmul[:len(values)].copy_(values)
     torch.mm(values, w, out=out)
@@ -197,7 +207,8 @@ def _logits(h, w, b, temperature, scratch: _Scratch):
 
 
 def _log_probs(h, w, b, temperature, scratch: _Scratch):
-    # log_softmax's fused kernel: one pass where logsumexp and a subtraction over the [rows, V] logits took three
+    # log_softmax's fused kernel: one pass where logsumexp and a subtraction over the [rows, V] logits took
+    # three
     return torch.log_softmax(_logits(h, w, b, temperature, scratch), -1, out=scratch.log_probs[:len(h)])
 
 

@@ -1,11 +1,16 @@
-"""One trainer rank's model, optimizer and loss: `Learner.step(batch)` trains one batch (one policy version)."""
+"""One trainer rank's model, optimizer and loss: `Learner.step(batch)` trains one batch
+(one policy version)."""
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 import algos
 from engines.buckets import engine_name
@@ -23,15 +28,17 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-# Passes of at least this many padded tokens hand the heap's free pages back first. A default-task pass (about 750
-# tokens) frees little, and faulting its pages in again would slow its short step (docs/benchmarks.md, "Memory"):
-# a step below it keeps even its large chunks in the heap, for the next step (heap.py keep_freed_chunks).
+# Passes of at least this many padded tokens hand the heap's free pages back first. A default-task pass
+# (about 750 tokens) frees little, and faulting its pages in again would slow its short step
+# (docs/benchmarks.md, "Memory"): a step below it keeps even its large chunks in the heap, for the next step
+# (heap.py keep_freed_chunks).
 HEAP_RELEASE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
 class Rank:
-    """Where one trainer rank sits: its place among `world_size`, the rendezvous port, its device and sharding."""
+    """Where one trainer rank sits: its place among `world_size`, the rendezvous port, its device and
+    sharding."""
     rank: int = 0
     world_size: int = 1
     port: int = 0
@@ -41,13 +48,14 @@ class Rank:
 class Learner:
     """The policy being trained (and, for the rules that use it, the frozen reference), AdamW and the loss.
 
-    train: the config's train section; algo: the rule's Config; rollout: the rollout section (the group size K,
-    the sampling temperature the logprobs apply, the completion budget). init_path: the policy's starting
+    train: the config's train section; algo: the rule's Config; rollout: the rollout section (the group size
+    K, the sampling temperature the logprobs apply, the completion budget). init_path: the policy's starting
     weights (a checkpoint when resuming); "" = model_path."""
 
-    def __init__(self, *, model_path: str, train: "TrainConfig", algo, rollout: "RolloutConfig", rank: Rank = Rank(),
-                 init_path: str = ""):
-        assert train.autocast != "auto", "the launcher settles train.autocast=auto (launch.plan.resolve_precision)"
+    def __init__(self, *, model_path: str, train: "TrainConfig", algo, rollout: "RolloutConfig",
+                 rank: Rank = Rank(), init_path: str = ""):
+        assert train.autocast != "auto", \
+            "the launcher settles train.autocast=auto (launch.plan.resolve_precision)"
         self.rank, self.train, self.rollout = rank, train, rollout
         place = rank.placement
         self.device = place.device
@@ -60,7 +68,8 @@ class Learner:
         # Under LoRA the base is always model_path: a resumed run reloads its adapter onto it.
         self.policy = place.load(model_path if adapters else init_path or model_path, rank.world_size,
                                  compile=train.compile, adapters=adapters)
-        if adapters is None and (train.freeze_layers or train.freeze_embeddings):  # LoRA's base is frozen already
+        # LoRA's base is frozen already
+        if adapters is None and (train.freeze_layers or train.freeze_embeddings):
             freeze(self.policy.lm, train.freeze_layers, train.freeze_embeddings)
         for model in (self.policy, self.reference):
             if model is not None:
@@ -70,21 +79,22 @@ class Learner:
         elif self.reference is not None and train.autocast == "bfloat16" and self.device.type == "cpu":
             hold_frozen_in(self.reference, torch.bfloat16)
         # fused: one kernel per parameter instead of a dozen elementwise passes (0.17 s vs 0.68 s a step here)
-        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=train.lr,
-                                           betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-                                           weight_decay=train.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
+                                           lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                           eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
         self._allocate_optimizer_state()
         # a group whose rewards all tie adds nothing under this rule: its forward and backward are left out
         self.skips_tied = train.skip_tied_groups and getattr(self.loss_fn, "tied_groups_learn_nothing", False)
         self.skipped = 0
         self.bad_in_row = 0
-        self.beat = lambda: None  # called before every forward pass: the loop's heartbeat (runtime/heartbeat.py)
+        # called before every forward pass: the loop's heartbeat (runtime/heartbeat.py)
+        self.beat = lambda: None
 
     def _allocate_optimizer_state(self) -> None:
-        """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5 of its
-        4.5 s on a 2-core CPU: about 1 GB of zeros first touched). A step at learning rate 0 on zero gradients leaves
-        the weights and the moments as they were (zeros); its step count is set back to 0, so the first real step is
-        the one a fresh optimizer would take."""
+        """AdamW's moments made now, before the run's clock starts, instead of lazily in the first step (1.5
+        of its 4.5 s on a 2-core CPU: about 1 GB of zeros first touched). A step at learning rate 0 on zero
+        gradients leaves the weights and the moments as they were (zeros); its step count is set back to 0, so
+        the first real step is the one a fresh optimizer would take."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         rates = [group["lr"] for group in self.optimizer.param_groups]
         for p in params:
@@ -103,18 +113,21 @@ class Learner:
         lora = self.train.lora
         base = lora.base_dtype
         if base == "auto":
-            base = "bfloat16" if self.train.autocast == "bfloat16" or self.device.type == "cuda" else "float32"
+            base = ("bfloat16" if self.train.autocast == "bfloat16" or self.device.type == "cuda"
+                    else "float32")
         return Adapters(lora, getattr(torch, base), os.path.join(init_path, ADAPTER_DIR) if init_path else "")
 
     def step(self, batch: Batch, step: int) -> dict:
-        """Train on `batch`, the data for policy version step - 1: `train.epochs` times over `train.minibatches`
-        minibatches, one optimizer step each, a forward/backward over this rank's share of it, a clip and an AdamW
-        step (skipped if not finite). The proximal policy is the weights before the first of them."""
+        """Train on `batch`, the data for policy version step - 1: `train.epochs` times over
+        `train.minibatches` minibatches, one optimizer step each, a forward/backward over this rank's share of
+        it, a clip and an AdamW step (skipped if not finite). The proximal policy is the weights before the
+        first of them."""
         if self.device.type == "cpu":
             keep_freed_chunks(batch.input_ids.numel() < HEAP_RELEASE_TOKENS)
         count = self.train.minibatches
         size = batch.num_groups // count
-        minibatches = [batch] if count == 1 else [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)]
+        minibatches = ([batch] if count == 1
+                       else [batch.groups(i, i + size) for i in range(0, batch.num_groups, size)])
         totals = [(mb.targets.shape[0], int(mb.mask.sum())) for mb in minibatches]  # the loss's denominators
         tied = 0
         if self.skips_tied:
@@ -124,8 +137,9 @@ class Learner:
                            for mb, index in zip(minibatches, kept)]
         plans = [self._passes(mb) for mb in minibatches]
         stats = OffPolicyStats(version=step - 1)
-        # One minibatch: its first forward runs on the weights before the update, so the proximal logprobs are that
-        # forward's own, detached (and kept for the later epochs). More: one no-grad pass over the batch first.
+        # One minibatch: its first forward runs on the weights before the update, so the proximal logprobs are
+        # that forward's own, detached (and kept for the later epochs). More: one no-grad pass over the batch
+        # first.
         prox = self._proximal(minibatches, plans, stats) if count > 1 else [None]
         epochs, rows = self.train.epochs, []
         for epoch in range(epochs):
@@ -135,23 +149,27 @@ class Learner:
                 prox[i] = forwards if prox[i] is None else prox[i]
                 rows.append(row)
         out = rows[0]
-        if len(rows) > 1:  # means over the updates; the tokens computed add up, a rule's counts over one epoch
+        # means over the updates; the tokens computed add up, a rule's counts over one epoch
+        if len(rows) > 1:
             computed = {"train/tokens", "train/shared_prefix_tokens"}
             counts = set(getattr(self.loss_fn, "summed_metrics", ()))
-            out = {k: sum(row[k] for row in rows) / (1 if k in computed else epochs if k in counts else len(rows))
+            out = {k: sum(row[k] for row in rows)
+                      / (1 if k in computed else epochs if k in counts else len(rows))
                    for k in rows[0]}
         out["train/skipped_steps"] = self.skipped
         out["train/tied_groups_skipped"] = tied
         if self.device.type == "cpu" and batch.input_ids.numel() >= HEAP_RELEASE_TOKENS:
-            # now rather than at the next pass: the engines generating the next batch, and an evaluation, use them
+            # now rather than at the next pass: the engines generating the next batch, and an evaluation, use
+            # them
             release_free_heap()
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
     def _update(self, batch: Batch, passes, step: int, prox, stats,
                 totals: tuple[int, int]) -> tuple[dict, list[torch.Tensor]]:
-        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the forward's)
-        and the sequences and tokens of the whole minibatch, tied groups included (the loss's denominators).
-        Returns the step's metrics and the forward's logprobs per pass, detached (the weights before the step)."""
+        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass
+        (None: the forward's) and the sequences and tokens of the whole minibatch, tied groups included
+        (the loss's denominators). Returns the step's metrics and the forward's logprobs per pass, detached
+        (the weights before the step)."""
         loss, metrics, tokens, forwards = self._forward_backward(batch, passes, step, prox, stats, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -170,8 +188,8 @@ class Learner:
                 "train/tokens": tokens, "train/lr": self.learning_rate(step), **metrics}, forwards
 
     def learning_rate(self, step: int) -> float:
-        """train.lr, ramped linearly over the first train.warmup_steps steps, then down linearly to train.min_lr
-        over the next train.decay_steps and held there (step counts from 1)."""
+        """train.lr, ramped linearly over the first train.warmup_steps steps, then down linearly to
+        train.min_lr over the next train.decay_steps and held there (step counts from 1)."""
         t = self.train
         if t.warmup_steps and step <= t.warmup_steps:
             return t.lr * step / (t.warmup_steps + 1)
@@ -192,8 +210,8 @@ class Learner:
             release_free_heap()
 
     def _inputs(self, mb: Batch, entropy: bool, entropy_grad: bool = False):
-        return (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature, entropy,
-                entropy_grad)
+        return (mb.input_ids, mb.position_ids, mb.segments, mb.gather, mb.targets, self.rollout.temperature,
+                entropy, entropy_grad)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.train.autocast == "bfloat16")
@@ -245,7 +263,8 @@ class Learner:
                 term = -coef * (entropy * mb.mask).sum() / totals[1]
                 loss = loss + term
                 metrics = {**metrics, "loss/entropy": term.item()}
-            # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back up.
+            # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back
+            # up.
             (loss * world_size).backward()
             total_loss += loss.detach()
             for k, v in metrics.items():
@@ -253,15 +272,16 @@ class Learner:
             count += 1
             tokens += mb.num_tokens
         keys = sorted(sums)
-        summed = set(getattr(self.loss_fn, "summed_metrics", ())) | {"loss/entropy"}  # each pass's share of the term
+        # each pass's share of the term
+        summed = set(getattr(self.loss_fn, "summed_metrics", ())) | {"loss/entropy"}
         means = [sums[k] if k in summed else sums[k] / max(count, 1) / world_size for k in keys]
         packed = torch.tensor([total_loss.item(), tokens, shared] + means, dtype=torch.float64)
         if world_size > 1:
             packed = packed.to(self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(packed)
             packed = packed.cpu()
-        # train/shared_prefix_tokens: of train/tokens, those the passes left to one row's copy of the prompts' common
-        # prefix (train.share_prefix), which the learner's MFU does not count as computed
+        # train/shared_prefix_tokens: of train/tokens, those the passes left to one row's copy of the prompts'
+        # common prefix (train.share_prefix), which the learner's MFU does not count as computed
         metrics = {**dict(zip(keys, packed[3:].tolist())), "train/shared_prefix_tokens": int(packed[2])}
         return packed[0].float(), metrics, int(packed[1]), forwards
 
@@ -270,9 +290,9 @@ class Learner:
         return get_optimizer_state_dict(self.policy, self.optimizer, options=_FULL)
 
     def load_optimizer_state(self, state: dict) -> None:
-        """AdamW's state from a checkpoint (rank 0's `state`; the others pass {}). Refused in one line when the
-        checkpoint trained other weights than this run does (train.freeze_embeddings or train.freeze_layers changed):
-        torch would drop the moments of a weight now frozen without a word."""
+        """AdamW's state from a checkpoint (rank 0's `state`; the others pass {}). Refused in one line when
+        the checkpoint trained other weights than this run does (train.freeze_embeddings or
+        train.freeze_layers changed): torch would drop the moments of a weight now frozen without a word."""
         if state:
             trained = {engine_name(n) for n, p in self.policy.named_parameters() if p.requires_grad}
             saved = {engine_name(n) for n in state["state"]}  # both without the wrappers' segments
@@ -280,12 +300,12 @@ class Learner:
                 odd = sorted(saved - trained) or sorted(trained - saved)
                 raise ValueError(
                     f"resume: the checkpoint {'trained' if saved - trained else 'did not train'} {odd[0]} "
-                    f"({len(odd)} weights), which this run {'freezes' if saved - trained else 'trains'}; resume with "
-                    "the run's own train.freeze_embeddings and train.freeze_layers (a run from before they existed "
-                    "trained every weight: train.freeze_embeddings=false)")
+                    f"({len(odd)} weights), which this run {'freezes' if saved - trained else 'trains'}; "
+                    "resume with the run's own train.freeze_embeddings and train.freeze_layers (a run from "
+                    "before they existed trained every weight: train.freeze_embeddings=false)")
         set_optimizer_state_dict(self.policy, self.optimizer, state, options=_FULL_FROM_RANK0)
 
     def publish(self, publish, version: int) -> None:
-        """All ranks gather the full weights (a collective) and hand them to `publish`, the weight path's trainer
-        end (rank 0 ships them)."""
+        """All ranks gather the full weights (a collective) and hand them to `publish`, the weight path's
+        trainer end (rank 0 ships them)."""
         publish(full_state(self.policy), version)

@@ -29,19 +29,21 @@ def check_backend(backend: str) -> None:
 WAIT_SHOWN_S = 10.0  # the console says the trainer is waiting for data once it has waited this long
 
 class MetricsLogger:
-    """One row per step (a trained batch, one policy version) to `<run_dir>/metrics.jsonl` (appended, so a resumed
-    run keeps its earlier rows), to a backend, and to the console.
+    """One row per step (a trained batch, one policy version) to `<run_dir>/metrics.jsonl` (appended, so a
+    resumed run keeps its earlier rows), to a backend, and to the console.
 
     backend: "none"; "tensorboard" (event files in `<run_dir>/tensorboard`, one scalar per numeric key;
     `tensorboard --logdir <run_dir>`); "wandb" (a W&B run under `<run_dir>/wandb`, project $WANDB_PROJECT or
     "ringrl", named after the run dir). The W&B mode is $WANDB_MODE when set; otherwise "online" when an API
     key is at hand ($WANDB_API_KEY or a ~/.netrc entry from `wandb login`) and "offline" when not, so a run
-    never blocks on a login prompt or the network (`wandb sync <run_dir>/wandb/offline-run-*` uploads it later).
-    start_step: the steps already done (resuming from checkpoint step_N: N, after `truncate_metrics(path, N)`);
-    the bar starts there, TensorBoard hides the old events after it, and W&B starts a new run.
+    never blocks on a login prompt or the network (`wandb sync <run_dir>/wandb/offline-run-*` uploads it
+    later). start_step: the steps already done (resuming from checkpoint step_N: N, after
+    `truncate_metrics(path, N)`); the bar starts there, TensorBoard hides the old events after it, and W&B
+    starts a new run.
 
-    Console (progress=True): a tqdm bar on stderr when stderr is a terminal; otherwise (a log file, a pipe, CI)
-    one plain line at most every `line_every_s` seconds, and always for the first and last step.
+    Console (progress=True): a tqdm bar on stderr when stderr is a terminal; otherwise
+    (a log file, a pipe, CI) one plain line at most every `line_every_s` seconds, and always for the first and
+    last step.
     """
 
     def __init__(self, run_dir: str, backend: str = "none", steps: int = 0, progress: bool = True,
@@ -62,8 +64,8 @@ class MetricsLogger:
             self.console.update(row)
 
     def waiting(self, seconds: float, have: int, need: int) -> None:
-        """Between steps: the trainer has waited `seconds` for fresh groups and has `have` of the `need`. Shown
-        on the console after WAIT_SHOWN_S, so that a slow run and a stuck one look different."""
+        """Between steps: the trainer has waited `seconds` for fresh groups and has `have` of the `need`.
+        Shown on the console after WAIT_SHOWN_S, so that a slow run and a stuck one look different."""
         if self.console is not None and seconds >= WAIT_SHOWN_S:
             self.console.waiting(f"waiting for data {seconds:.0f} s ({have}/{need} groups)")
 
@@ -133,16 +135,17 @@ class _Wandb:
 
         self.wandb = wandb
         # console="off": W&B must not wrap stdout/stderr (the progress bar and the launcher own them)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ringrl"), dir=run_dir, mode=wandb_mode(),
-                              name=os.path.basename(os.path.normpath(run_dir)), config=config,
-                              settings=wandb.Settings(console="off"))
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ringrl"), dir=run_dir,
+                              mode=wandb_mode(), name=os.path.basename(os.path.normpath(run_dir)),
+                              config=config, settings=wandb.Settings(console="off"))
 
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
 
     def close(self) -> None:
         self.run.finish()
-        self.wandb.teardown()  # stops the wandb-core service process, which atexit does not in a spawned child
+        # stops the wandb-core service process, which atexit does not in a spawned child
+        self.wandb.teardown()
 
 
 def wandb_mode() -> str:
@@ -175,7 +178,8 @@ class _Console:
     def update(self, row: dict) -> None:
         fields = _fields(row)
         if self.bar is not None:
-            self.bar.set_postfix({k: v for k, v in fields if k != "time"}, refresh=False)  # the bar has its own
+            # the bar has its own
+            self.bar.set_postfix({k: v for k, v in fields if k != "time"}, refresh=False)
             self.bar.update(1)
             return
         now = time.monotonic()

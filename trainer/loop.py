@@ -41,11 +41,13 @@ class TrainerArgs:
     rank: Rank  # this rank, the world size, the rendezvous port and where it runs (its Placement)
     workers: int  # the plan's rollout workers: group ids interleave them
     cfg: "Config"  # the run's typed config (runtime/schema.py)
-    setup: "RunSetup"  # what the launcher settled: the model's folder, the run folder, a resumed checkpoint, ...
+    # what the launcher settled: the model's folder, the run folder, a resumed checkpoint, ...
+    setup: "RunSetup"
     evaluator: "Evaluator"  # how rank 0 evaluates the version it just published (the plan's)
     shared: Shared
     progress: bool = False  # this rank draws the console's progress bar
-    peak: Peak | None = None  # the matmul peak perf/learner_mfu divides by, measured by the launcher on a quiet CPU
+    # the matmul peak perf/learner_mfu divides by, measured by the launcher on a quiet CPU
+    peak: Peak | None = None
 
 
 def run(args: TrainerArgs) -> None:
@@ -55,9 +57,10 @@ def run(args: TrainerArgs) -> None:
     rank.placement.init_process_group(rank.rank, rank.world_size, rank.port)
     lead = rank.rank == 0
     try:
-        learner = Learner(rank=rank, model_path=setup.model_path, init_path=setup.resume_path, train=cfg.train,
-                          algo=cfg.algo, rollout=cfg.rollout)
-        # Now, not at the first publish: NCCL weight sync joins its process group here, and the engines wait on it.
+        learner = Learner(rank=rank, model_path=setup.model_path, init_path=setup.resume_path,
+                          train=cfg.train, algo=cfg.algo, rollout=cfg.rollout)
+        # Now, not at the first publish: NCCL weight sync joins its process group here, and the engines wait
+        # on it.
         publish = shared.weights.publisher(learner.policy, lead, shared.stop)
         with ExitStack() as stack:
             evaluate = samples = None
@@ -70,7 +73,8 @@ def run(args: TrainerArgs) -> None:
                 tokenizer = tasks.load_tokenizer(setup.model_path, cfg.model.chat_template)
                 samples = stack.enter_context(closing(SampleLog(setup.run_dir, tokenizer, cfg.log_samples,
                                                                 setup.resume_step)))
-            replay = ReplayBuffer.from_config(cfg.buffer, _sampler(cfg.buffer.sampler, cfg.algo.name), cfg.seed)
+            replay = ReplayBuffer.from_config(cfg.buffer, _sampler(cfg.buffer.sampler, cfg.algo.name),
+                                              cfg.seed)
             log = stack.enter_context(_logger(lead, args, setup.resume_step))
             _Loop(learner, publish, replay, evaluate, log, samples, args).run()
     except Stopped:
@@ -90,24 +94,29 @@ def _logger(lead: bool, args: TrainerArgs, start_step: int):
 
 
 class _Loop:
-    """The optimizer steps of one rank, from `start_step` to `steps`; rank 0 also feeds, logs and evaluates."""
+    """The optimizer steps of one rank, from `start_step` to `steps`; rank 0 also feeds, logs and
+    evaluates."""
 
-    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, evaluate, log, samples: SampleLog | None,
-                 args: TrainerArgs):
+    def __init__(self, learner: Learner, publish, replay: ReplayBuffer, evaluate, log,
+                 samples: SampleLog | None, args: TrainerArgs):
         cfg, setup = args.cfg, args.setup
         self.learner, self.publish, self.replay, self.shared = learner, publish, replay, args.shared
         self.evaluate, self.log, self.samples = evaluate, log, samples
-        self.fresh: list = []  # rank 0: the step's fresh groups, a few of whose completions go to samples.jsonl
+        # rank 0: the step's fresh groups, a few of whose completions go to samples.jsonl
+        self.fresh: list = []
         self.lead, self.steps = args.rank.rank == 0, cfg.steps
         self.model_path, self.run_dir = setup.model_path, setup.run_dir
         self.heart = args.shared.heart(f"trainer-{args.rank.rank}")
-        self.max_staleness, self.batch_groups, self.workers = cfg.max_staleness, cfg.train.batch_groups, args.workers
-        self.eval_every, self.checkpoint_cfg, self.start_step = cfg.eval.every, cfg.checkpoint, setup.resume_step
+        self.max_staleness, self.batch_groups, self.workers = (cfg.max_staleness, cfg.train.batch_groups,
+                                                               args.workers)
+        self.eval_every, self.checkpoint_cfg, self.start_step = (cfg.eval.every, cfg.checkpoint,
+                                                                 setup.resume_step)
         self.multi_turn = setup.multi_turn
         drops = int(cfg.buffer.dynamic_max_drops * self.batch_groups)
         self.dynamic = DynamicSampling(cfg.buffer.dynamic_sampling, drops)  # rank 0's
         self.last_episodes = (0, 0)  # rank 0: (episodes, successes) counted at the last row
-        # next_group[w]: one past the newest group index received from worker w (a resumed worker starts there)
+        # next_group[w]: one past the newest group index received from worker w (a resumed worker starts
+        # there)
         self.next_group: dict[int, int] = {}
         elapsed = 0.0
         if self.start_step:
@@ -115,19 +124,22 @@ class _Loop:
         self.saved = self.start_step  # the newest checkpoint's step
         self.threads = Threads()
         cores = self.shared.cores
-        if cores is not None and cores.moves_in_step and not cfg.train.compile:  # a compiled stack takes no hooks
+        # a compiled stack takes no hooks
+        if cores is not None and cores.moves_in_step and not cfg.train.compile:
             follow_workers(decoder_layers(learner.policy.lm), cores, self.threads)
-        # rank 0's row: the step's model FLOPs utilisation against a matmul peak; a GPU's measured here, before the
-        # clock, a CPU's by the launcher before any process computed (measured here it would share the cores)
+        # rank 0's row: the step's model FLOPs utilisation against a matmul peak; a GPU's measured here,
+        # before the clock, a CPU's by the launcher before any process computed (measured here it would share
+        # the cores)
         self.flops_per_token = train_flops_per_token(learner.policy.lm)
-        self.peak = (args.peak or learner_peak(learner.device, learner.train.autocast, torch.get_num_threads())) \
+        self.peak = (args.peak or learner_peak(learner.device, learner.train.autocast,
+                                               torch.get_num_threads())) \
             if self.lead else None
         self.start = time.time() - elapsed
         self.last_row = (self.start, 0)  # rank 0: (time, tokens generated so far) at the last row
 
     def run(self) -> None:
-        """One step, version v to v + 1: the data, the learner's step, the weights out, rank 0's row, a checkpoint
-        (docs/design.md, "One step of the learner")."""
+        """One step, version v to v + 1: the data, the learner's step, the weights out, rank 0's row, a
+        checkpoint (docs/design.md, "One step of the learner")."""
         for step in range(self.start_step + 1, self.steps + 1):
             batch, info, perf = self._next_batch(step)
             self.threads.set(perf["perf/train_threads"])
@@ -137,7 +149,8 @@ class _Loop:
             self.threads.mark()
             metrics = self.learner.step(batch, step)
             perf["perf/train_step_s"] = time.time() - t0
-            perf["perf/train_threads"] = self.threads.mean()  # time-weighted: a shared step follows the workers
+            # time-weighted: a shared step follows the workers
+            perf["perf/train_threads"] = self.threads.mean()
             self.heart.beat("publish")
             t0 = time.time()
             self.learner.publish(self.publish, step)
@@ -153,9 +166,9 @@ class _Loop:
 
     def _next_batch(self, step: int) -> tuple[Batch, dict, dict]:
         """Every rank's batch for `step`, with rank 0's description of its data and the step's perf figures so
-        far. Rank 0 waits for fresh groups, drops those too old, samples the replay buffer and packs; the others
-        wait for its word. When the launcher asks to stop, every rank checkpoints what it learned since the last
-        checkpoint and raises Stopped."""
+        far. Rank 0 waits for fresh groups, drops those too old, samples the replay buffer and packs; the
+        others wait for its word. When the launcher asks to stop, every rank checkpoints what it learned since
+        the last checkpoint and raises Stopped."""
         version = step - 1
         payload = None  # stays None on rank 0 when the launcher asks to stop: every rank then checkpoints
         if self.lead:
@@ -168,15 +181,17 @@ class _Loop:
                 wait_time = time.time() - t0
                 groups = self.replay.sample(self.batch_groups, version)
                 batch = batch_for(groups, self.learner.loss_fn)
-                # reward describes the fresh data (the current policy's, tied groups dropped by dynamic sampling
-                # included); staleness what is trained on
+                # reward describes the fresh data (the current policy's, tied groups dropped by dynamic
+                # sampling included); staleness what is trained on
                 rewards = torch.cat([g.rewards for g in fresh + self.dynamic.dropped])
                 info = {"reward_mean": rewards.mean().item(),
                         "reward/batch_mean": torch.cat([g.rewards for g in groups]).mean().item(),
-                        "staleness/dropped_groups": len(dropped), **row_metrics.kept_and_dropped(fresh, dropped),
+                        "staleness/dropped_groups": len(dropped),
+                        **row_metrics.kept_and_dropped(fresh, dropped),
                         **self.replay.stats(), **row_metrics.staleness(groups, fresh, version),
                         **self.dynamic.metrics(), **(row_metrics.episodes(fresh) if self.multi_turn else {})}
-                payload = (batch, info, {"perf/wait_s": wait_time, "perf/train_threads": self._step_threads()})
+                payload = (batch, info, {"perf/wait_s": wait_time,
+                                         "perf/train_threads": self._step_threads()})
             except Stopped:
                 pass
             self.heart.post_step(step)
@@ -191,7 +206,8 @@ class _Loop:
         return payload
 
     def _end_step(self, step: int, batch: Batch, info: dict, metrics: dict, perf: dict) -> None:
-        """Rank 0, the new weights published: evaluate when due, open the gate to version `step`, log the row."""
+        """Rank 0, the new weights published: evaluate when due, open the gate to version `step`, log the
+        row."""
         results = {}
         evaluating = step == self.steps or (self.eval_every and step % self.eval_every == 0)
         # Synchronous: evaluate before generation may start, on every core; asynchronous: beside it.
@@ -211,7 +227,8 @@ class _Loop:
         train_time = perf["perf/train_step_s"]
         threads = perf["perf/train_threads"] if self.learner.device.type == "cpu" else 1
         computed = metrics["train/tokens"] - metrics["train/shared_prefix_tokens"]
-        mfu = learner_mfu(self.flops_per_token, computed, train_time, self.peak, threads, self.learner.rank.world_size)
+        mfu = learner_mfu(self.flops_per_token, computed, train_time, self.peak, threads,
+                          self.learner.rank.world_size)
         self.log.log({
             "step": step, "time_s": round(now - self.start, 3),
             "reward_mean": info.pop("reward_mean"), "loss": metrics.pop("loss"),
@@ -220,15 +237,16 @@ class _Loop:
             "train_tokens_per_s": metrics.pop("train/tokens") / max(train_time, 1e-9),
             "perf/train_step_s": train_time, "perf/learner_mfu": mfu, "perf/wait_s": perf["perf/wait_s"],
             "perf/train_threads": perf["perf/train_threads"], "perf/publish_s": perf["perf/publish_s"],
-            **row_metrics.peak_memory(self.learner.device), "perf/completion_len": batch.lens.float().mean().item(),
+            **row_metrics.peak_memory(self.learner.device),
+            "perf/completion_len": batch.lens.float().mean().item(),
             **counts, **info, **metrics, **results,
         })
         self.samples.write(step, self.fresh)
         self.last_row = (now, tokens)
 
     def _episode_counts(self) -> dict:
-        """The workers' episode counters (episode/<name>, totals so far), the success rate of the episodes ended
-        since the last row, and the share of an episode's time spent waiting for its environment."""
+        """The workers' episode counters (episode/<name>, totals so far), the success rate of the episodes
+        ended since the last row, and the share of an episode's time spent waiting for its environment."""
         total = self.shared.counters.total
         out = {f"episode/{name}": total(name) for name in EPISODE_COUNTERS}
         episodes, successes = total("episodes"), total("successes")
@@ -248,9 +266,9 @@ class _Loop:
         return results
 
     def _wait_for_rank0(self, step: int) -> None:
-        """Ranks > 0: rank 0 may take minutes (waiting for data, evaluating) before it broadcasts `step`'s batch.
-        Wait for its word here, beating, so that the collective itself never waits long and a rank stuck in
-        one is told apart from a rank waiting its turn."""
+        """Ranks > 0: rank 0 may take minutes (waiting for data, evaluating) before it broadcasts `step`'s
+        batch. Wait for its word here, beating, so that the collective itself never waits long and a rank
+        stuck in one is told apart from a rank waiting its turn."""
         hearts = self.shared.hearts
         while hearts is not None and hearts.step("trainer-0") < step:
             if self.shared.stop.is_set():
@@ -271,12 +289,14 @@ class _Loop:
         self.saved = step
         state = {"step": step, "time_s": time.time() - self.start, "next_group": self.next_group,
                  "optimizer": self.learner.optimizer_state(), "skipped": self.learner.skipped,
-                 "replay": self.replay.state_dict() if self.lead else None, "torch_rng": torch.get_rng_state()}
-        save_checkpoint(self.learner.policy, self.model_path, self.run_dir, step, state, self.checkpoint_cfg.keep)
+                 "replay": self.replay.state_dict() if self.lead else None,
+                 "torch_rng": torch.get_rng_state()}
+        save_checkpoint(self.learner.policy, self.model_path, self.run_dir, step, state,
+                        self.checkpoint_cfg.keep)
 
     def _restore(self, init_path: str) -> float:
-        """Continue from checkpoints/step_{start_step}: optimizer, replay buffer, RNG, data positions. Returns the
-        run's time so far."""
+        """Continue from checkpoints/step_{start_step}: optimizer, replay buffer, RNG, data positions. Returns
+        the run's time so far."""
         from trainer.checkpoint import load_state
 
         state = load_state(init_path)
@@ -319,7 +339,8 @@ class _Loop:
 
 
 def _sampler(choice: str, algo: str) -> str:
-    """`buffer.sampler=auto` takes the loss's own preference (TB replays; the policy-gradient rules do not)."""
+    """`buffer.sampler=auto` takes the loss's own preference (TB replays; the policy-gradient rules do
+    not)."""
     return getattr(algos.get(algo).Loss, "sampler", "fifo") if choice == "auto" else choice
 
 

@@ -2,7 +2,8 @@
 
     lm = add_adapters(hf_model, cfg.train.lora, torch.bfloat16)   # in place: target Linears get A and B
     with adapters_off(lm): ...                                     # the base alone: the reference policy
-    merged(named_tensors, lm)                                      # (HF name, W + alpha/r B A) for engines, checkpoints
+    merged(named_tensors, lm)                                      # (HF name, W + alpha/r B A) for engines,
+                                                                     checkpoints
 
 Only the adapters (fp32) have gradients and AdamW state; the base, held in `base_dtype`, is frozen. The rules
 that need a reference policy get it free: the same model with its adapters switched off. The engines receive
@@ -24,18 +25,22 @@ _ADAPTER = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")  # <module>.lora_A.<a
 
 
 def add_adapters(lm: nn.Module, cfg, base_dtype: torch.dtype, adapter_path: str = "") -> nn.Module:
-    """`lm` with LoRA adapters in its target layers (in place), its base frozen in `base_dtype`; the adapters start
-    from `adapter_path` (a checkpoint's adapter/ folder) when given, else as peft initialises them (B = 0)."""
+    """`lm` with LoRA adapters in its target layers (in place), its base frozen in `base_dtype`; the adapters
+    start from `adapter_path` (a checkpoint's adapter/ folder) when given, else as peft initialises them
+    (B = 0)."""
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=targets, lora_dropout=0.0)
     try:
-        with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question; nothing for the user
+        # peft asks transformers 5 a deprecated question; nothing for the user
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            peft_model = get_peft_model(lm.to(base_dtype), config)  # adapters in fp32 (autocast_adapter_dtype)
+            # adapters in fp32 (autocast_adapter_dtype)
+            peft_model = get_peft_model(lm.to(base_dtype), config)
     except ValueError as e:
-        raise ValueError(f"train.lora.target_modules={list(cfg.target_modules)}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"train.lora.target_modules={list(cfg.target_modules)}: "
+                         f"{str(e).splitlines()[0]}") from None
     lm.ringrl_lora = config  # a plain attribute: merged() and checkpoints read the scale and save the config
     if adapter_path:
         _load_adapter(peft_model, adapter_path)
@@ -62,9 +67,10 @@ def adapters_off(lm: nn.Module):
 
 
 def merged(named: Iterable[tuple[str, torch.Tensor]], lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a LoRA model's state dict, in its order -> the merged model's, under Hugging Face
-    names: each adapted weight W becomes W + (alpha / r) B A in fp32, its bias keeps its own name, the adapters
-    themselves are not yielded. Streams: holds one layer's W until its A and B arrive. Pass-through without LoRA."""
+    """(name, tensor) pairs of a LoRA model's state dict, in its order -> the merged model's, under Hugging
+    Face names: each adapted weight W becomes W + (alpha / r) B A in fp32, its bias keeps its own name, the
+    adapters themselves are not yielded. Streams: holds one layer's W until its A and B arrive. Pass-through
+    without LoRA."""
     if not is_lora(lm):
         yield from named
         return
@@ -125,8 +131,8 @@ def _load_adapter(peft_model, folder: str) -> None:
 
 
 class Adapters:
-    """What a trainer rank's Placement.load applies to the model it loads: train.lora, the base's dtype, and the
-    adapter folder a resumed run starts from ("" for new adapters)."""
+    """What a trainer rank's Placement.load applies to the model it loads: train.lora, the base's dtype, and
+    the adapter folder a resumed run starts from ("" for new adapters)."""
 
     def __init__(self, config, base_dtype: torch.dtype, path: str = ""):
         self.config, self.base_dtype, self.path = config, base_dtype, path

@@ -1,20 +1,22 @@
-"""What a step's metrics row says beyond the learner's own figures: the rollout workers' counters, the fresh groups'
-staleness and episodes, the groups kept and dropped, and a GPU's peak memory. Pure functions of what the loop hands
-them (trainer/loop.py)."""
+"""What a step's metrics row says beyond the learner's own figures: the rollout workers' counters, the fresh
+groups' staleness and episodes, the groups kept and dropped, and a GPU's peak memory. Pure functions of what
+the loop hands them (trainer/loop.py)."""
 import torch
 
 from buffer.ring import FINISH_REASONS
 from buffer.staleness import lag
 from runtime.shared import SANDBOX_KILLS, Shared
 
-WORKER_COUNTERS = ("restarts", "lost_groups", "prompts_truncated", "prompts_skipped")  # logged as rollout/<name>
+# logged as rollout/<name>
+WORKER_COUNTERS = ("restarts", "lost_groups", "prompts_truncated", "prompts_skipped")
 
 
 def worker_counts(shared: Shared) -> dict:
     """The rollout workers' counters, summed, under their metric names ("tokens" for the throughput)."""
     total = shared.counters.total
     return {"tokens": total("tokens"), "reward/timeouts": total("reward_timeouts"),
-            "reward/errors": total("reward_errors"), **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
+            "reward/errors": total("reward_errors"),
+            **{f"reward/{name}": total(name) for name in SANDBOX_KILLS},
             **{f"rollout/{name}": total(name) for name in WORKER_COUNTERS},
             **(shared.nodes.metrics() if shared.nodes is not None else {})}
 
@@ -30,19 +32,20 @@ def staleness(trained: list, taken: list, version: int) -> dict:
 
 
 def kept_and_dropped(kept: list, dropped: list) -> dict:
-    """Mean completion length and reward of the fresh groups kept and of those dropped for staleness (when any):
-    dropping the slow ones can tilt training towards short, easy completions."""
+    """Mean completion length and reward of the fresh groups kept and of those dropped for staleness
+    (when any): dropping the slow ones can tilt training towards short, easy completions."""
     out = {}
     for name, groups in (("kept", kept), ("dropped", dropped)):
         if groups:
-            out[f"staleness/{name}_len"] = torch.cat([g.completion_lens for g in groups]).float().mean().item()
+            out[f"staleness/{name}_len"] = (torch.cat([g.completion_lens for g in groups])
+                                            .float().mean().item())
             out[f"staleness/{name}_reward"] = torch.cat([g.rewards for g in groups]).mean().item()
     return out
 
 
 def episodes(fresh: list) -> dict:
-    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, and the
-    spread of policy versions inside one episode (a weight update mid-episode is legal)."""
+    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, and
+    the spread of policy versions inside one episode (a weight update mid-episode is legal)."""
     turns = torch.cat([g.turns for g in fresh]).float()
     lens = torch.cat([g.completion_lens for g in fresh]).float()
     finish = torch.cat([g.finish for g in fresh])
@@ -57,7 +60,8 @@ def episodes(fresh: list) -> dict:
     out = {"episode/turns_mean": turns.mean().item(), "episode/turns_max": turns.max().item(),
            "episode/len_p50": lens.quantile(0.5).item(), "episode/len_p90": lens.quantile(0.9).item(),
            "episode/len_max": lens.max().item(), "episode/policy_tokens": policy, "episode/env_tokens": env,
-           "episode/version_spread_mean": sum(spreads) / len(spreads), "episode/version_spread_max": max(spreads)}
+           "episode/version_spread_mean": sum(spreads) / len(spreads),
+           "episode/version_spread_max": max(spreads)}
     for code, reason in enumerate(FINISH_REASONS):
         out[f"episode/finish_{reason}"] = (finish == code).float().mean().item()
     return out

@@ -5,11 +5,11 @@
      "prompt": "<|im_start|>system ... What is 3 + 4? ...<|im_start|>assistant\n",
      "completion": "3 + 4 = 7<|im_end|>"}
 
-`version`: the policy version that sampled the completion's oldest token; `finish`: why it ended (buffer.ring's
-FINISH_REASONS: "budget" is cut at rollout.max_new_tokens). Special tokens are kept, so a completion shows whether
-it stopped on its own; a multi-turn completion includes the environment's turns. The rows are spread over the
-step's groups: sample 0 of each group in turn, then sample 1, ... Rank 0 writes them after the step's metrics
-row; a resumed run first drops the rows past its checkpoint, as metrics.jsonl's.
+`version`: the policy version that sampled the completion's oldest token; `finish`: why it ended
+(buffer.ring's FINISH_REASONS: "budget" is cut at rollout.max_new_tokens). Special tokens are kept, so a
+completion shows whether it stopped on its own; a multi-turn completion includes the environment's turns. The
+rows are spread over the step's groups: sample 0 of each group in turn, then sample 1, ... Rank 0 writes them
+after the step's metrics row; a resumed run first drops the rows past its checkpoint, as metrics.jsonl's.
 """
 import json
 import os
@@ -21,8 +21,8 @@ FILE = "samples.jsonl"
 
 
 def picks(groups: list[Group], count: int) -> list[tuple[Group, int]]:
-    """`count` (group, sample) pairs, sample 0 of every group first, then sample 1, ...; fewer if the groups hold
-    fewer completions."""
+    """`count` (group, sample) pairs, sample 0 of every group first, then sample 1, ...; fewer if the groups
+    hold fewer completions."""
     if not groups:
         return []
     spread = [(groups[j % len(groups)], j // len(groups)) for j in range(count)]
