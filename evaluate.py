@@ -85,7 +85,7 @@ def eval_metrics(scores: dict[int, list[float]]) -> dict:
 
 def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
     """The whole test split (up to max_examples) on one engine (any engines.base.Engine)."""
-    if task.env is not None:
+    if task.multi_turn:
         return evaluate_episodes(engine, tokenizer, task, spec)
     examples = test_examples(task, spec)
     shard = EvalShard(0, range(len(examples)), examples, tokenizer, spec)
@@ -99,13 +99,14 @@ def evaluate(engine, tokenizer, task, spec: EvalSpec) -> dict:
 def evaluate_episodes(engine, tokenizer, task, spec: EvalSpec) -> dict:
     """A multi-turn task's test split: per example one greedy episode and `k` sampled ones, scored by the
     rewards their environments give (envs/episode.py drives them as a rollout worker does)."""
-    from envs.episode import Turns
+    from envs.agent import episodes_for
 
     k, budget = spec.eval.k, spec.max_new_tokens
-    greedy = Turns(engine, tokenizer, task, spec.env, SamplingParams(0.0, 1.0, budget, spec.stop_ids), budget,
-                   spec.seed)
-    sampled = Turns(engine, tokenizer, task, spec.env,
-                    SamplingParams(spec.eval.temperature, 1.0, budget, spec.stop_ids), budget, spec.seed)
+    greedy = episodes_for(engine, tokenizer, task, spec.env, SamplingParams(0.0, 1.0, budget, spec.stop_ids),
+                          budget, spec.seed)
+    sampled = episodes_for(engine, tokenizer, task, spec.env,
+                           SamplingParams(spec.eval.temperature, 1.0, budget, spec.stop_ids), budget,
+                           spec.seed)
     examples = test_examples(task, spec)
     scores = {i: [0.0] * (k + 1) for i in range(len(examples))}
     try:
@@ -205,7 +206,7 @@ class EvalChannel:
 
     @contextmanager
     def open(self, model_path: str, weights, task, spec: EvalSpec):
-        if task.env is not None:
+        if task.multi_turn:
             print("note: the GPU plan does not evaluate multi-turn tasks yet; the episode/ metrics of the "
                   "rollouts show their progress", flush=True)
             yield lambda version, stop=None: {}
@@ -213,7 +214,7 @@ class EvalChannel:
         yield self  # the engines already hold each version once it is published
 
     def worker_part(self, worker: int, task, tokenizer, spec: EvalSpec, pool) -> "EngineEvaluation | None":
-        if task.env is not None:
+        if task.multi_turn:
             return None  # not yet for multi-turn tasks: open() says so
         return EngineEvaluation(self, worker, task, tokenizer, spec, pool)
 

@@ -19,7 +19,8 @@ import torch
 import tasks
 from buffer.ring import Group
 from engines.base import Completion, SamplingParams
-from envs.episode import Episode, Turns
+from envs.agent import align_group, episodes_for
+from envs.episode import Episode
 from rewards.pool import RewardPool, ScoreHandle
 from runtime.cores import Threads
 from runtime.shared import SANDBOX_KILLS, Shared
@@ -51,7 +52,7 @@ def run(args: RolloutArgs) -> None:
     data = tasks.get(cfg.task.name).build(cfg.task, cfg.seed)
     # A multi-turn task's rewards come from its environment, stepped beside the engine (envs/episode.py).
     scorer = RewardPool(data.reward, cfg.reward.workers, cfg.reward.timeout_s, data.reward_options) \
-        if data.env is None else nullcontext(None)
+        if not data.multi_turn else nullcontext(None)
     engine_cm = args.engine.open(setup.resume_path or setup.model_path, cfg.seed * 1000 + args.worker)
     with scorer as pool, engine_cm as engine:
         engine.set_version(setup.resume_step)
@@ -116,8 +117,9 @@ class RolloutWorker:
             next(self.stream)
         self.next_group = args.first_group  # this worker's index of the next group it starts
         # The turns of every episode (envs/episode.py); a one-shot completion is an episode of one turn.
-        self.turns = Turns(engine, tokenizer, task, args.cfg.env, self.sampling, rollout.max_new_tokens,
-                           args.cfg.seed * 1000 + self.worker, self._count)
+        self.turns = episodes_for(engine, tokenizer, task, args.cfg.env, self.sampling,
+                                  rollout.max_new_tokens, args.cfg.seed * 1000 + self.worker, self._count,
+                                  self.max_prompt_len)
         # group id -> (prompt index, {sample: episode})
         self.open: dict[int, tuple[int, dict[int, Episode]]] = {}
         self.scoring: deque[Scoring] = deque()  # oldest first: groups enter the ring in the order they filled
@@ -217,7 +219,9 @@ class RolloutWorker:
                 continue
             del self.open[group_id]
             episodes = [samples[i] for i in range(self.k)]
-            if self.task.env is None:
+            if self.task.agent is not None:  # each agent episode's prompt is its own workflow's first request
+                align_group(episodes, self.sampling.stop_token_ids[0], self.turns.budget, self._count)
+            if not self.task.multi_turn:
                 texts = self.tokenizer.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
                 handle = self.pool.submit(texts, [self.task.train[index].answer] * self.k)
             else:
@@ -250,7 +254,9 @@ class RolloutWorker:
 def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id: int,
              worker_id: int) -> Group:
     """K episodes of one prompt and their rewards as one ring entry, padded to the longest. An episode's
-    tokens after the prompt are its completion; the loss mask marks those the policy sampled."""
+    tokens after the prompt are its completion; the loss mask marks those the policy sampled, and none of a
+    masked episode's (its finish is one of env.mask): no loss term reads it, while its reward still counts in
+    its group's baseline."""
     width = max(len(e.token_ids) for e in episodes)
     k = len(episodes)
     ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)
@@ -262,7 +268,8 @@ def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id
         logprobs[i, :n] = torch.tensor(e.logprobs)
         versions[i, :n] = torch.tensor(e.versions)
         turn_ids[i, :n] = torch.tensor(e.turn_ids)
-        mask[i, :n] = torch.tensor(e.mask)
+        if not e.masked:
+            mask[i, :n] = torch.tensor(e.mask)
     return Group(
         prompt_ids=torch.tensor(episodes[0].prompt_ids),
         completion_ids=ids,

@@ -119,7 +119,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     # windows
     _or_exit(engine_path, facts.checked_config(model_path), max_prompt_len + cfg.rollout.max_new_tokens)
     _or_exit(check_freeze_layers, cfg.train.freeze_layers, facts.checked_config(model_path).num_hidden_layers)
-    if task.env is not None:  # the chat template must render an episode turn by turn
+    if task.multi_turn:  # the chat template must render an episode turn by turn
         from envs.render import Renderer
 
         _or_exit(lambda: Renderer(tokenizer, task.observation_role, task.tools).observation("ok"))
@@ -158,7 +158,7 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
     # What every process gets: the typed config whole, what was settled here, and its own few values.
     setup = RunSetup(model_path, run_dir, stop_ids, max_prompt_len, eval_spec, config,
                      resume_path=resume["path"] if resume else "",
-                     resume_step=resume["step"] if resume else 0, multi_turn=task.env is not None)
+                     resume_step=resume["step"] if resume else 0, multi_turn=task.multi_turn)
     slots = engine_slots(cfg.max_staleness, cfg.train.batch_groups, rollout.group_size, rollout.max_batch)
     engines = [plan.engine(w, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
                for w in range(workers)]

@@ -26,11 +26,13 @@ class MicroBatch:
     """Whole groups of K completions (a group's sequences are contiguous): n = G * K sequences, T tokens."""
     logprobs: torch.Tensor  # [n, T] current policy, requires grad
     behav_logprobs: torch.Tensor  # [n, T] recorded by the rollout engine when sampling
-    mask: torch.Tensor  # [n, T] 1.0 on completion tokens, 0.0 on padding
+    # [n, T] 1.0 on the tokens the policy sampled (the record's loss mask); 0.0 on padding, on an
+    # environment's tokens, and on every token of a sample env.mask keeps out of the loss (no term reads it)
+    mask: torch.Tensor
     rewards: torch.Tensor  # [n]
     group_size: int  # K: the batch's completions per group (rollout.group_size, or what a trim_group kept)
     batch_sequences: int  # sequences in the whole optimizer batch, across ranks
-    batch_tokens: int  # valid completion tokens in the whole optimizer batch, across ranks
+    batch_tokens: int  # tokens on the mask in the whole optimizer batch, across ranks (0: every one masked)
     max_new_tokens: int  # the sampling budget (Dr. GRPO's constant normaliser)
     # batches trained on so far, i.e. the policy version (for schedules; not train.minibatches' or epochs')
     step: int

@@ -48,7 +48,7 @@ class Loss(PGLoss):
         # padding: no term, no grad
         logprobs = torch.where(mb.mask > 0, mb.logprobs, torch.zeros_like(mb.logprobs))
         per_token = -is_weight * adv * logprobs * weight  # [n, T]
-        loss = per_token.sum() / mb.batch_tokens
+        loss = per_token.sum() / max(mb.batch_tokens, 1)  # 0 when every sample is masked
         with torch.no_grad():
             tokens = mb.mask.sum().clamp(min=1).item()
             metrics = {

@@ -11,6 +11,8 @@ options; algos/dapo.py is GRPO with DAPO's defaults.
 
 DAPO's soft overlong punishment, with L_max = rollout.max_new_tokens and L_c = overlong_buffer_frac * L_max:
     R_len(l) = 0 for l <= L_max - L_c;  (L_max - L_c - l) / L_c * overlong_penalty up to L_max
+l = |y_i| counts the tokens the policy sampled (the mask): a multi-turn episode's observations are not its
+length, and a masked sample (env.mask) gets no penalty.
 DAPO's clip-higher is clip_eps_high > clip_eps, and its dynamic sampling (groups whose rewards all tie are
 dropped and replaced by new ones) is buffer.dynamic_sampling, done where the trainer takes data from the ring.
 With algo.correction (algos.PGConfig): pi_old = pi_prox and l_it is weighted by c_it, the correction weight.
@@ -89,7 +91,7 @@ class Loss(PGLoss):
         per_token = -objective * weight  # [n, T]
         if cfg.token_mean:
             # so that L = sum_it l_it / tokens
-            per_seq = per_token.sum(1) * mb.batch_sequences / mb.batch_tokens
+            per_seq = per_token.sum(1) * mb.batch_sequences / max(mb.batch_tokens, 1)
         elif cfg.dr_grpo:
             per_seq = per_token.sum(1) / mb.max_new_tokens
         else:

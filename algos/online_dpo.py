@@ -1,7 +1,8 @@
 """Online DPO as in Asynchronous RLHF (Noukhovitch et al. 2024): best vs worst of each prompt's K samples.
 
-    y_w, y_l = argmax_i r_i, argmin_i r_i           per group (the first of equals); groups whose rewards all
-                                                    tie are skipped
+    y_w, y_l = argmax_i r_i, argmin_i r_i           per group (the first of equals), over the samples with
+                                                    tokens on the mask (env.mask keeps some out); groups whose
+                                                    rewards all tie are skipped
     h        = [log pi_theta(y_w) - log pi_theta(y_l)] - [log pi_ref(y_w) - log pi_ref(y_l)]
     l        = -log sigmoid(beta * h)               (DPO, Rafailov et al. 2023)
              = (h - 1 / (2 * beta))^2               (IPO, Azar et al. 2023)
@@ -54,8 +55,11 @@ class Loss:
         r = mb.rewards.view(-1, k)  # [G, K]
         policy = sequence_logprobs(mb.logprobs, mb.mask).view(-1, k)
         ref = sequence_logprobs(mb.ref_logprobs, mb.mask).view(-1, k)
-        kept = r.max(dim=1).values > r.min(dim=1).values  # [G] groups with a preference
-        best, worst = r.argmax(dim=1, keepdim=True), r.argmin(dim=1, keepdim=True)  # [G, 1]
+        # a masked sample (no token on the mask) is neither chosen nor rejected
+        present = (mb.mask.sum(1) > 0).view(-1, k)
+        high, low = r.where(present, -torch.inf), r.where(present, torch.inf)
+        kept = high.max(dim=1).values > low.min(dim=1).values  # [G] groups with a preference
+        best, worst = high.argmax(dim=1, keepdim=True), low.argmin(dim=1, keepdim=True)  # [G, 1]
         chosen = (policy.gather(1, best) - ref.gather(1, best)).squeeze(1)[kept]  # [G']
         rejected = (policy.gather(1, worst) - ref.gather(1, worst)).squeeze(1)[kept]
         h = chosen - rejected
@@ -79,5 +83,8 @@ class Loss:
 
 def pair(group):
     """The group as its chosen and rejected completions, in that order (buffer.ring.Group; the same one twice
-    when every reward ties, which the loss skips): argmax and argmin of the pair pick them again."""
-    return group.select([int(group.rewards.argmax()), int(group.rewards.argmin())])
+    when every reward ties, which the loss skips): argmax and argmin of the pair pick them again. Masked
+    completions (no sampled token on the loss mask, env.mask) are neither."""
+    present = group.sampled().any(1)
+    high, low = group.rewards.where(present, -torch.inf), group.rewards.where(present, torch.inf)
+    return group.select([int(high.argmax()), int(low.argmin())])

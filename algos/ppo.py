@@ -85,7 +85,7 @@ class Loss:
         ratio = safe_ratio(mb.logprobs - prox, kept)
         objective, dual = clipped_objective(ratio, adv, cfg.clip_eps, cfg.clip_eps_high, cfg.dual_clip)
         per_token = -weight * objective * kept
-        loss = per_token.sum() / mb.batch_tokens
+        loss = per_token.sum() / max(mb.batch_tokens, 1)  # 0 when every sample is masked
         with torch.no_grad():
             tokens = mb.mask.sum().clamp(min=1).item()
             kept_tokens = kept.sum().clamp(min=1).item()

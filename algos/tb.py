@@ -7,7 +7,9 @@
               x beta^2 / 2 with normalize (the default): see below
     beta      = beta_start -> beta_end, linearly over beta_steps optimizer steps
 
-log pi(y|x) = sum_t log pi(y_t|x, y_<t) over completion tokens (divided by |y| with length_normalize).
+log pi(y|x) = sum_t log pi(y_t|x, y_<t) over completion tokens (divided by |y| with length_normalize). A
+sample with no token on the mask (env.mask kept it out of the loss) has no log-ratio: the mean that gives
+log Z is over the group's other samples, and it adds no term to L.
 Shapes: logprobs, ref_logprobs, mask [n, T]; rewards [n]; n = G * K.
 
 The scale of the gradient. Before learning, delta's spread within a group is the rewards' divided by beta, so
@@ -66,8 +68,15 @@ class Loss:
         log_ratio = (sequence_logprobs(mb.logprobs, mb.mask, norm)
                      - sequence_logprobs(mb.ref_logprobs, mb.mask, norm))
         delta = (log_ratio - mb.rewards / beta).view(-1, mb.group_size)  # [G, K]
-        log_z = -delta.detach().mean(dim=1, keepdim=True)  # [G, 1] VarGrad: no learned log Z
-        per_seq = (log_z + delta) ** 2  # [G, K]
+        present = (mb.mask.sum(1) > 0).view(-1, mb.group_size)  # [G, K] False: a masked sample (env.mask)
+        if present.all():
+            log_z = -delta.detach().mean(dim=1, keepdim=True)  # [G, 1] VarGrad: no learned log Z
+            per_seq = (log_z + delta) ** 2  # [G, K]
+        else:
+            # a masked sample has no log-ratio: it takes no part in log Z and adds no residual
+            kept = present.to(delta.dtype)
+            log_z = -(delta.detach() * kept).sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp(min=1)
+            per_seq = (log_z + delta) ** 2 * kept
         loss = per_seq.sum() / mb.batch_sequences
         if self.cfg.normalize:
             loss = loss * (beta * beta / 2)

@@ -121,8 +121,13 @@ class Group:
 
     def min_version(self) -> int:
         """Oldest policy version among the tokens the policy sampled: the group's staleness is its oldest
-        sampled token's; 0 if there are none."""
+        sampled token's. A group whose every episode is masked (env.mask: no token on the loss mask) trains
+        nothing; its age is its recorded tokens' (version -1: none sampled), so it is not taken for stale.
+        0 if there are none."""
         sampled = self.sampled()
+        if not sampled.any():
+            within = torch.arange(self.completion_ids.shape[1]) < self.completion_lens[:, None]
+            sampled = within & (self.versions >= 0)
         return int(self.versions[sampled].min()) if sampled.any() else 0
 
 

@@ -5,9 +5,11 @@
 
 Or drive it yourself: `add()` requests, call `step()` (admit + one decode step) and collect what
 finishes. Between steps a rollout worker may `.copy_()` new weights into `weight_tensors()` and then call
-`adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. (On a bf16
-CPU the matmuls read blocked copies of the weights: `adopt_weights` drops them, and the next step makes them
-from the new weights; `set_version` alone would leave them on the old ones.)
+`adopt_weights(v)`: sequences in flight keep their cache and their later tokens record version v. A parked
+sequence's next turn does not: a cache with values of older weights is reused by no new request, prompt or
+continuation, so that turn is prefilled again in full under the new weights (`stale_resumes`). (On a bf16 CPU
+the matmuls read blocked copies of the weights: `adopt_weights` drops them, and the next step makes them from
+the new weights; `set_version` alone would leave them on the old ones.)
 """
 import heapq
 from collections import OrderedDict, deque
@@ -35,9 +37,11 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     text: str = ""  # what the tokens read as, kept only for stop strings
     # The weights its prompt's cache was computed with (the engine's `weights_seen` then); None: a
-    # continuation, whose cache holds earlier turns, possibly under older weights. Only a current prompt cache
-    # is copied.
+    # continuation, whose cache holds earlier turns. Only a current prompt cache is copied.
     prompt_weights: int | None = None
+    # the weights its whole cache was made under at admission (a continuation resumes only a cache made under
+    # the current ones): parked with it
+    cache_weights: int = 0
     # decode steps launched for it: its tokens, and one more while the static step's result is unread
     fed: int = 0
     # what prefill caches: the prompt but its last token
@@ -109,13 +113,15 @@ class BuiltinEngine:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free = list(range(max_batch))      # a min-heap: low slots first keeps running slots dense
         # Finished sequences kept for a continuation (Request.park), oldest first: request id -> (slot, its
-        # tokens, prompt and generated; the cache holds all but the last).
-        self.parked: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        # tokens, prompt and generated; the cache holds all but the last; the weights of its cache's start:
+        # weights loaded since it was admitted leave older values in it).
+        self.parked: OrderedDict[int, tuple[int, list[int], int]] = OrderedDict()
         # weight loads and version changes so far: a prompt cache is copied under its own only
         self.weights_seen = 0
         self.prefix_copies = 0  # admitted samples whose prompt's cache was copied from a running sibling
-        # continuations that prefilled only their new tokens, and the others
-        self.resumed = self.resume_misses = 0
+        # continuations that prefilled only their new tokens, and the others; of those, the ones whose parked
+        # cache held values of older weights (prefilled again in full under the current ones)
+        self.resumed = self.resume_misses = self.stale_resumes = 0
         self.vocabulary: list[str] | None = None  # token id -> text, for stop strings
         # Per-slot decode inputs, kept as tensors so a step needs no Python loop to build its batch.
         on = {"device": self.device}
@@ -230,7 +236,7 @@ class BuiltinEngine:
             if not resumed:
                 slot = heapq.heappop(self.free) if self.free else self.parked.popitem(last=False)[1][0]
                 admitted.append((request, slot))
-            self.running[slot] = Sequence(request, slot,
+            self.running[slot] = Sequence(request, slot, cache_weights=self.weights_seen,
                                           prompt_weights=None if resumed else self.weights_seen)
         if not admitted:
             return
@@ -276,18 +282,22 @@ class BuiltinEngine:
 
     def _continue(self, request: Request) -> int | None:
         """The parked slot that `request` continues, its cache extended by the new prompt tokens; None when it
-        continues nothing, or a sequence evicted meanwhile, or the model cannot extend a cache
-        (a full prefill)."""
+        continues nothing, or a sequence evicted meanwhile, or one whose cache holds values of older weights
+        (one rule with `_held_prefixes`: only a cache of the current weights is reused), or the model cannot
+        extend a cache (a full prefill)."""
         if request.resume is None:
             return None
         parked = self.parked.pop(request.resume, None)
         if parked is None:
             self.resume_misses += 1
             return None
-        slot, tokens = parked
+        slot, tokens, weights = parked
         prompt = request.prompt_ids
-        if len(prompt) < len(tokens) or prompt[:len(tokens)] != tokens or not hasattr(self.model, "extend"):
+        stale = weights != self.weights_seen
+        if (stale or len(prompt) < len(tokens) or prompt[:len(tokens)] != tokens
+                or not hasattr(self.model, "extend")):
             self.resume_misses += 1
+            self.stale_resumes += stale
             heapq.heappush(self.free, slot)
             return None
         new = prompt[len(tokens) - 1:-1]  # the cache holds all but the parked sequence's last token
@@ -376,7 +386,8 @@ class BuiltinEngine:
     def _release(self, slot: int) -> None:
         seq = self.running.pop(slot)
         if seq.request.park:
-            self.parked[seq.request.request_id] = (slot, seq.request.prompt_ids + seq.token_ids)
+            self.parked[seq.request.request_id] = (slot, seq.request.prompt_ids + seq.token_ids,
+                                                   seq.cache_weights)
         else:
             heapq.heappush(self.free, slot)
 

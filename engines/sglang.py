@@ -30,9 +30,11 @@ from engines.base import (
 
 def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict:
     """An engine-neutral SamplingParams in SGLang's names. SGLang's logprobs are log softmax(logits / T) over
-    the full vocabulary (before top-p), as the built-in engine's and the trainer's are."""
+    the full vocabulary (before top-p), as the built-in engine's and the trainer's are. SGLang stops on the
+    stop strings itself (a tool call's closing tag), keeping the token that completes one (no_stop_trim)."""
     return {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
-            "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True}
+            "stop_token_ids": list(params.stop_token_ids), "stop": list(params.stop_strings),
+            "skip_special_tokens": False, "no_stop_trim": True}
 
 
 @dataclass
@@ -137,8 +139,10 @@ class SGLangEngine:
         return {}  # the weights live in SGLang's own processes: they arrive in buckets only
 
     def use_vocabulary(self, texts: list[str]) -> None:
-        """Stop strings are matched here on what SGLang returns (it runs without its tokenizer): a turn that
-        passed its stop string is cut right after it. Unrun on a GPU so far."""
+        """SGLang stops on a request's stop strings itself; they are matched here again on what it returns,
+        which cuts a turn right after its stop string where SGLang could not see it whole (one that straddles
+        a weight update's interruption: SGLang matches the text of what it generated since the resubmission).
+        Unrun on a GPU so far."""
         self.vocabulary = list(texts)
 
     def join_weight_group(self, address: str, port: int, rank_offset: int, world_size: int,
@@ -192,7 +196,8 @@ class SGLangSpec:
     preference = 1  # the faster engine, where it is installed
     tensor_parallel = True
     nccl_weights = True
-    stop_strings = False  # completions are cut after the stop string (engines/base.py cut_at_stop_string)
+    # SGLang stops on text itself (sampling_params' `stop`); cut_at_stop_string stays the guard
+    stop_strings = True
 
     @classmethod
     def on_cpu(cls, max_batch: int, max_len: int, dtype: str):
@@ -234,11 +239,12 @@ class SGLangBackend:
                  dtype: str):
         import sglang
 
-        # skip_tokenizer_init: token ids in and out, no detokenizer work (the rollout worker decodes for
-        # rewards).
+        # Token ids in and out, but with SGLang's tokenizer: it matches stop strings on the text of what it
+        # generated (Req.tail_str decodes with it; with skip_tokenizer_init=True a request with stop strings
+        # would fail in its scheduler).
         self.engine = sglang.Engine(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
                                     mem_fraction_static=mem_fraction_static, random_seed=seed, dtype=dtype,
-                                    skip_tokenizer_init=True, log_level="error")
+                                    skip_tokenizer_init=False, log_level="error")
         self.loop = self.engine.loop
 
     def generate(self, input_ids: list[int], sampling: dict):

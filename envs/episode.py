@@ -12,6 +12,7 @@ the parked sequence (`Request.resume`): the engine prefills only the new tokens.
 key plus `turn << TURN_SHIFT`, so turn 0 samples exactly what a one-shot request of that key samples.
 """
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,9 @@ class Episode:
     turns: int = 0  # policy turns taken
     reward: float = 0.0  # the sum of the environment's step rewards
     finish: str = ""  # one of FINISH_REASONS once ended
+    masked: bool = False  # its finish is one of env.mask: kept out of the loss (rollout.to_group)
+    # its environment could not be built or reset: it ends env_error after a first turn of one token
+    env_failed: bool = False
     success: bool = False  # the environment's last step said so (info["success"])
     last_request: int = -1
     # the last turn ended on a stop token: nothing needs closing before an observation
@@ -99,12 +103,16 @@ class Turns:
     def start(self, key: int, prompt_ids: list[int], messages: list[dict], example) -> Episode:
         """Episode `key` of `example`, whose first prompt (`prompt`) the caller computed once for its
         group."""
-        env = None
+        env, failed = None, False
         if self.multi:
-            env = self.task.env()
-            env.reset(example)  # deterministic per example, so it gives `messages` again
+            try:
+                env = self.task.env()
+                env.reset(example)  # deterministic per example, so it gives `messages` again
+            except Exception:  # noqa: BLE001 — a broken environment ends its own episode, never the worker
+                self.count("env_errors")
+                failed = True
         episode = Episode(key, prompt_ids, env, time.monotonic(),
-                          [dict(m) for m in messages] if self.multi else [])
+                          [dict(m) for m in messages] if self.multi else [], env_failed=failed)
         self.episodes[key] = episode
         self._request(episode, prompt_ids)
         return episode
@@ -112,6 +120,8 @@ class Turns:
     def _request(self, episode: Episode, prompt: list[int]) -> None:
         room = self.budget - len(episode.token_ids)
         limit = min(self.cfg.max_turn_tokens, room) if self.multi else room
+        if episode.env_failed:
+            limit = 1  # the record needs a sampled token; nothing more is worth decoding
         last_turn = not self.multi or episode.turns + 1 >= self.cfg.max_turns
         params = (self.params if limit == self.params.max_new_tokens
                   else replace(self.params, max_new_tokens=limit))
@@ -132,6 +142,8 @@ class Turns:
         stopped = bool(done.token_ids) and done.token_ids[-1] in self.stop_ids
         if not self.multi:
             return self._end(episode, "done" if done.finish_reason == "stop" else "budget")
+        if episode.env_failed:
+            return self._end(episode, "env_error")
         if done.finish_reason == "length" and len(episode.token_ids) >= self.budget:
             return self._end(episode, "budget")
         if time.monotonic() - episode.started > self.cfg.episode_timeout_s:
@@ -163,54 +175,71 @@ class Turns:
             job = episode.pending
             if not job.done():
                 if time.monotonic() - episode.started > self.cfg.episode_timeout_s:
-                    self.pool.write_off(job)
                     self.count("env_timeouts")
                     ended.append(self._end(episode, "env_timeout"))
                 else:
                     still.append(episode)
                 continue
-            episode.pending = None
-            episode.env_s += (job.finished or time.monotonic()) - (job.started or job.deadline)
+            episode.env_s += (job.finished or time.monotonic()) - job.submitted
             if job.timed_out:
-                self.pool.write_off(job)
                 self.count("env_timeouts")
                 ended.append(self._end(episode, "env_timeout"))
                 continue
+            episode.pending = None
             try:
-                step = job.result()
-                if not isinstance(step, Step):
-                    raise TypeError(f"env.step returned {type(step).__name__}, not envs.Step")
-                reward = float(step.reward)
+                answer = self._answer(episode, job.result())
             except Exception:  # noqa: BLE001
-                # whatever a broken environment raises ends its episode, counted
+                # whatever a broken environment raises or returns ends its episode, counted
                 self.count("env_errors")
-                ended.append(self._end(episode, "env_error"))
+                answer = "env_error"
+            if isinstance(answer, str):
+                ended.append(self._end(episode, answer))
                 continue
-            done = self._observe(episode, step, reward)
-            if done:
-                ended.append(done)
+            episode.append(answer)
+            self._request(episode, episode.prompt_ids + episode.token_ids)
         self.waiting = still
         return ended
 
-    def _observe(self, episode: Episode, step: Step, reward: float) -> Episode | None:
+    def _answer(self, episode: Episode, step: Step) -> str | list[int]:
+        """What the environment's step makes of the episode: the reason it ends, or the tokens of the
+        observation that goes before its next turn. Raises on anything an environment should not return."""
+        if not isinstance(step, Step):
+            raise TypeError(f"env.step returned {type(step).__name__}, not envs.Step")
+        reward = float(step.reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"env.step gave the reward {reward}")  # one NaN would skip a whole batch
         episode.reward += reward
-        for name in COUNTED:
-            if step.info.get(name):
-                self.count(name, int(step.info[name]))
-        episode.success = bool(step.info.get("success", False))
+        info = self._counted(step.info)
+        episode.success = bool(info.get("success", False))
         if step.done or step.observation is None:
-            return self._end(episode, "done")
+            return "done"
         if episode.turns >= self.cfg.max_turns:
-            return self._end(episode, "max_turns")
+            return "max_turns"
         text = self._clean(str(step.observation))
         episode.messages.append({"role": self.task.observation_role, "content": text})
         closing = [] if episode.last_stopped else self.renderer.end_of_turn
         ids = closing + self.renderer.observation(text)
         if len(episode.token_ids) + len(ids) + 1 > self.budget:
-            return self._end(episode, "context")
-        episode.append(ids)
-        self._request(episode, episode.prompt_ids + episode.token_ids)
-        return None
+            return "context"
+        return ids
+
+    def _counted(self, info) -> dict:
+        """A step's counts (COUNTED) into the worker's counters: a count that is not a whole number of
+        events (a string, NaN, negative, huge), or an info that is not a dict, is ignored and counted
+        (episode/info_ignored). Returns the info, or {} in place of one that is not a dict."""
+        if not isinstance(info, dict):
+            self.count("info_ignored")
+            return {}
+        for name in COUNTED:
+            value = info.get(name)
+            if value is None:
+                continue
+            if isinstance(value, numbers.Real) and math.isfinite(value) and 0 <= value < 2 ** 31:
+                if value:
+                    self.count(name, int(value))
+            else:
+                self.count("info_ignored")
+        return info
 
     def _clean(self, text: str) -> str:
         """An observation as the policy will read it: no text that would render as a special token (a turn
@@ -230,22 +259,34 @@ class Turns:
 
     def _end(self, episode: Episode, reason: str) -> Episode:
         episode.finish = reason
+        episode.masked = reason in self.cfg.mask
         del self.episodes[episode.key]
-        if episode.env is not None:
-            if episode.pending is None or episode.pending.done() and not episode.pending.timed_out:
-                try:
-                    episode.env.close()
-                except Exception:  # noqa: BLE001 — a broken close ends nothing more
-                    self.count("env_errors")
-            self.count("model_ms", int(1000 * episode.model_s))
-            self.count("env_ms", int(1000 * episode.env_s))
-            self.count("episodes")
-            self.count("successes", int(episode.success))
-            self.finished += 1
-            if self.cfg.check_every and self.finished % self.cfg.check_every == 1 % self.cfg.check_every:
-                self.count("template_checks")
-                self.count("template_mismatches", int(not self.matches_rendering(episode)))
+        if not self.multi:
+            return episode
+        self._close(episode)
+        self.count("model_ms", int(1000 * episode.model_s))
+        self.count("env_ms", int(1000 * episode.env_s))
+        self.count("episodes")
+        self.count("successes", int(episode.success))
+        self.finished += 1
+        if self.cfg.check_every and self.finished % self.cfg.check_every == 1 % self.cfg.check_every:
+            self.count("template_checks")
+            self.count("template_mismatches", int(not self.matches_rendering(episode)))
         return episode
+
+    def _close(self, episode: Episode) -> None:
+        """Close the episode's environment, never while a step of it still runs: a step past its deadline is
+        written off, and its thread closes the environment once the step returns."""
+        job, episode.pending = episode.pending, None
+        if episode.env is None:
+            return
+        if job is not None and self.pool.write_off(job, then=episode.env.close):
+            self.count("stuck_threads")
+            return
+        try:
+            episode.env.close()
+        except Exception:  # noqa: BLE001 — a broken close ends nothing more
+            self.count("env_errors")
 
     def matches_rendering(self, episode: Episode) -> bool:
         """The record against the whole conversation rendered at once by the chat template (with each turn's

@@ -45,7 +45,12 @@ class Renderer:
     def observation(self, text: str) -> list[int]:
         """Tokens that follow a closed assistant turn: the observation as a `role` turn and the next assistant
         header."""
-        full = self._text(self.base + [{"role": self.role, "content": text}], True)
+        return self.continuation([{"role": self.role, "content": text}])
+
+    def continuation(self, messages: list[dict]) -> list[int]:
+        """Tokens that follow a closed assistant turn: `messages` (tool answers, user turns, in any roles the
+        template renders) and the next assistant header, as the template writes them after a reply."""
+        full = self._text(self.base + messages, True)
         if not full.startswith(self.base_text):
             raise ValueError("the chat template is not incremental (adding a turn rewrote earlier ones); "
                              "multi-turn episodes need one that only appends")

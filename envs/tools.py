@@ -6,9 +6,11 @@
     box.call(call)                                                    # "10063"
 
 Two call formats: `tags` (`<calc>EXPR</calc>`, `<python>CODE</python>`), which any base model can learn, and
-`hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), what Qwen2.5-style chat templates emit
-when given `Toolbox.schemas()`. Everything the model writes is untrusted: the calculator parses arithmetic
-itself and never evaluates Python, and the python tool runs in the bubblewrap sandbox (rewards/sandbox.py).
+`hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the arguments an object or, as OpenAI
+writes them, a JSON string of one), what Qwen2.5-style chat templates emit when given `Toolbox.schemas()`; a
+Hermes turn may hold several calls (`parse_calls`). Everything the model writes is untrusted: the calculator
+parses arithmetic itself and never evaluates Python, and the python tool runs in the bubblewrap sandbox
+(rewards/sandbox.py).
 A failed call raises ToolError, whose one-line message the episode shows the model as the tool's answer.
 """
 import json
@@ -58,37 +60,71 @@ def stop_strings(fmt: str) -> tuple[str, ...]:
 
 
 def parse_call(text: str, fmt: str) -> Call | None:
-    """The first tool call in a model turn's text; None when the turn calls no tool (a final answer). Text
-    after the call's closing tag is ignored: the tool answers the call, not what the model imagined came
-    next."""
+    """The first tool call in a model turn's text; None when the turn calls no tool (a final answer)."""
+    calls = parse_calls(text, fmt)
+    return calls[0] if calls else None
+
+
+def parse_calls(text: str, fmt: str) -> list[Call]:
+    """The tool calls in a model turn's text, in order; [] when the turn calls no tool (a final answer). Tags:
+    the first call only, and text after its closing tag is ignored (the tool answers the call, not what the
+    model imagined came next). Hermes: every well-formed `<tool_call>` block; one that is not (a tag
+    mentioned in prose, JSON that does not parse) is passed over when a well-formed one follows or precedes
+    it, else it is the turn's parse error."""
     if fmt == "tags":
         found = {name: text.find(f"<{name}>") for name in TAG_NAMES if f"<{name}>" in text}
         if not found:
-            return None
+            return []
         name = min(found, key=found.get)
         start = found[name] + len(f"<{name}>")
         end = text.find(f"</{name}>", start)
         if end < 0:
             raise ToolError("parse", f"unclosed <{name}> tag: end the call with </{name}>")
-        return Call(name, {ARGUMENT[name]: text[start:end]})
+        return [Call(name, {ARGUMENT[name]: text[start:end]})]
     if fmt == "hermes":
-        start = text.find("<tool_call>")
-        if start < 0:
-            return None
-        end = text.find("</tool_call>", start)
-        if end < 0:
-            raise ToolError("parse", "unclosed <tool_call>: end the call with </tool_call>")
-        try:
-            call = json.loads(text[start + len("<tool_call>"):end])
-        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an int too long to read
-            raise ToolError("parse", f"the tool call is not valid JSON ({str(e)[:100]})") from None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ToolError("parse", 'a tool call is a JSON object {"name": ..., "arguments": {...}}')
-        if not isinstance(call.get("arguments"), dict):
-            raise ToolError("parse",
-                            f"the call to '{call['name'][:50]}' needs \"arguments\" as a JSON object")
-        return Call(call["name"], call["arguments"])
+        return _hermes_calls(text)
     raise unknown("tool call format", fmt, FORMATS)
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _hermes_calls(text: str) -> list[Call]:
+    calls, errors, position = [], [], 0
+    while (end := text.find(CLOSE, position)) >= 0:
+        start = text.rfind(OPEN, position, end)  # the last opening tag before it: earlier ones were prose
+        if start >= 0:
+            try:
+                calls.append(_hermes_call(text[start + len(OPEN):end]))
+            except ToolError as error:
+                errors.append(error)
+        position = end + len(CLOSE)
+    if calls:
+        return calls
+    if errors:
+        raise errors[0]
+    if OPEN in text[position:]:
+        raise ToolError("parse", "unclosed <tool_call>: end the call with </tool_call>")
+    return []
+
+
+def _hermes_call(body: str) -> Call:
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an int too long to read
+        raise ToolError("parse", f"the tool call is not valid JSON ({str(e)[:100]})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolError("parse", 'a tool call is a JSON object {"name": ..., "arguments": {...}}')
+    arguments = call.get("arguments")
+    if isinstance(arguments, str):  # OpenAI's format: the arguments object as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise ToolError("parse", f"the call to '{call['name'][:50]}' needs \"arguments\" as a JSON object "
+                        "(or a string of one)")
+    return Call(call["name"], arguments)
 
 
 class _Arithmetic:
@@ -207,7 +243,8 @@ def _bounded(value):
 
 def calculate(expression: str) -> str:
     """Evaluate arithmetic without eval: an exact integer when the result is integral, else a decimal rounded
-    to 6 places (tiny values in scientific notation). Anything that is not arithmetic is a ToolError."""
+    to 6 places, or below 1e-4 to 6 significant digits (0.00000333333; past 20 places as digits / 10**k).
+    Everything it prints it reads back as that value. Anything that is not arithmetic is a ToolError."""
     if len(expression) > MAX_LENGTH:
         raise ToolError("error", f"expression longer than {MAX_LENGTH} characters; split the calculation")
     if not expression.strip():
@@ -216,10 +253,21 @@ def calculate(expression: str) -> str:
     value = Fraction(value) if isinstance(value, float) else value
     if value.denominator == 1:
         return str(value.numerator)
-    if abs(value) < Fraction(1, 10 ** 4):
-        return f"{float(value):.6g}"
-    whole, part = divmod(abs(round(value * 10 ** 6)), 10 ** 6)
-    return ("-" if value < 0 else "") + f"{whole}.{part:06d}".rstrip("0").rstrip(".")
+    sign, value = "-" if value < 0 else "", abs(value)
+    if value >= Fraction(1, 10 ** 4):
+        whole, part = divmod(round(value * 10 ** 6), 10 ** 6)
+        return sign + f"{whole}.{part:06d}".rstrip("0").rstrip(".")
+    places = len(str(value.denominator)) - len(str(value.numerator)) + 5  # 6 significant digits, about
+    while value * 10 ** places < 10 ** 5:
+        places += 1
+    while value * 10 ** places >= 10 ** 6:
+        places -= 1
+    digits = round(value * 10 ** places)
+    while digits % 10 == 0:
+        digits, places = digits // 10, places - 1
+    if places <= 20:
+        return sign + "0." + str(digits).zfill(places)
+    return f"{sign}{digits}/10**{places}"
 
 
 class Toolbox:

@@ -333,8 +333,14 @@ class EnvConfig:
     latency_s: float = 0.0
     latency_sigma: float = 1.0  # the delay's log-normal shape: 1 gives a long tail (p99 about 7x the median)
     check_every: int = 16  # every N-th episode is compared with its conversation rendered at once (0: never)
+    # finish reasons (buffer/ring.py FINISH_REASONS) whose samples are kept out of the loss (episode/masked);
+    # their rewards still count in their group's baseline. Add truncation (budget, context, max_turns) to mask
+    # it too; budget also masks a one-shot task's completions cut at rollout.max_new_tokens
+    mask: list[str] = field(default_factory=lambda: ["env_error", "env_timeout"])
 
     def check(self):
+        from buffer.ring import FINISH_REASONS
+
         require(self.max_turns >= 1, "env.max_turns", "must be >= 1", self.max_turns)
         require(self.max_turn_tokens >= 1, "env.max_turn_tokens", "must be >= 1", self.max_turn_tokens)
         require(self.max_observation_tokens >= 8, "env.max_observation_tokens", "must be >= 8",
@@ -345,6 +351,8 @@ class EnvConfig:
         require(self.latency_s >= 0, "env.latency_s", "must be >= 0", self.latency_s)
         require(self.latency_sigma >= 0, "env.latency_sigma", "must be >= 0", self.latency_sigma)
         require(self.check_every >= 0, "env.check_every", "must be >= 0", self.check_every)
+        require(all(reason in FINISH_REASONS for reason in self.mask), "env.mask",
+                f"must list finish reasons among {', '.join(FINISH_REASONS)}", list(self.mask))
 
 
 @dataclass

@@ -94,7 +94,10 @@ SANDBOX_KILLS = ("sandbox_kills_time", "sandbox_kills_memory", "sandbox_kills_ou
 EPISODE_COUNTERS = ("episodes", "successes", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors",
                     "unknown_tools", "env_errors", "env_timeouts", "observations_cut",
                     "observations_sanitized", "template_checks", "template_mismatches", "resumed_prefills",
-                    "full_prefills", "model_ms", "env_ms")
+                    "full_prefills", "model_ms", "env_ms", "stuck_threads", "info_ignored",
+                    # agent code through the endpoint (envs/agent.py)
+                    "agent_calls", "agent_tokens", "agent_segments", "agent_dropped_tokens",
+                    "agent_sampling_overridden", "agent_cut_records")
 
 
 class WorkerCounters:

@@ -29,6 +29,15 @@ class Task:
     # the role the environment's turns are rendered with (Hermes tools: "tool")
     observation_role: str = "user"
     tools: list[dict] | None = None  # tool schemas handed to the chat template (the Hermes/Qwen call format)
+    # Agent code (envs/agent.py): workflow(client, example) -> reward, driving its episode through the rollout
+    # worker's OpenAI-compatible endpoint with the `openai` client it is given (None: the worker drives
+    # episodes)
+    agent: Callable | None = None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes rather than one reply: an environment's, or agent code's."""
+        return self.env is not None or self.agent is not None
 
     def messages(self, example: Example) -> list[dict]:
         """The first messages of an episode of `example`: the environment's, or the question as a user
@@ -67,7 +76,7 @@ def load_tokenizer(model_path: str, chat_template: dict | None = None):
 
 def first_prompts(tokenizer, task: Task, examples: list[Example]) -> list[list[int]]:
     """The first prompt of an episode of each example (a one-shot task's: `prompt_ids` of its question)."""
-    if task.env is None:
+    if task.env is None:  # an agent's prompt is its workflow's first request: the question alone, as a guess
         return [prompt_ids(tokenizer, example.question) for example in examples]
     from envs.render import Renderer
 

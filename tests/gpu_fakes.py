@@ -24,22 +24,29 @@ def next_token(context):
 
 class FakeBackend:
     """Stands in for SGLangBackend. Tokens follow from the context alone; each call emits up to `chunk`
-    tokens, then (if unfinished) waits for an abort, like a request still decoding when weights arrive."""
+    tokens, then (if unfinished) waits for an abort, like a request still decoding when weights arrive. With a
+    `vocabulary` (token id -> text, SGLang's tokenizer) it stops on the sampling's `stop` strings as SGLang
+    does: on the text of the tokens this call generated, keeping the token that completes one."""
 
-    def __init__(self, chunk=4):
+    def __init__(self, chunk=4, vocabulary=None):
         self.loop = asyncio.new_event_loop()
-        self.chunk, self.weights = chunk, 0
+        self.chunk, self.weights, self.vocabulary = chunk, 0, vocabulary
         self.calls, self.loaded, self.log = [], [], []
         self.aborting = False
+        self.decoded = 0  # tokens generated over every call
 
     async def _generate(self, ids, sampling):
         self.calls.append((list(ids), sampling["max_new_tokens"]))
-        out, context = [], list(ids)
+        out, context, text = [], list(ids), ""
+        stops = sampling.get("stop") or []
+        assert not stops or self.vocabulary is not None, "SGLang needs its tokenizer to match stop strings"
         for _ in range(min(self.chunk, sampling["max_new_tokens"])):
             token = next_token(context)
             context.append(token)
+            self.decoded += 1
             out.append((-0.01 * token - self.weights, token, None))
-            if token in sampling["stop_token_ids"]:
+            text += self.vocabulary[token] if stops else ""
+            if token in sampling["stop_token_ids"] or any(stop in text for stop in stops):
                 return {"meta_info": {"output_token_logprobs": out, "finish_reason": {"type": "stop"}}}
         if len(out) == sampling["max_new_tokens"]:
             return {"meta_info": {"output_token_logprobs": out, "finish_reason": {"type": "length"}}}

@@ -403,6 +403,36 @@ def test_a_parked_sequence_continues_with_only_its_new_tokens_prefilled(model):
     torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(second.logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["step_by_step", "static"])
+def test_a_continuation_after_a_weight_load_is_prefilled_again_under_the_new_weights(model, tiny_model_dir,
+                                                                                    static):
+    """One rule for new prompts and continuations: no cache holding values of older weights is reused. A
+    parked sequence's next turn after a weight load is prefilled in full, and its logprobs are those of a
+    teacher-forced pass of the new weights over the whole conversation; counted as a stale resume."""
+    new_model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    prompt, observation = random_prompts([9, 6], seed=3)
+    engine = BuiltinEngine(model, max_batch=2, max_len=64, static=static)
+    first = engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=5), park=True)])[0]
+    new_state = new_model.state_dict()
+    for name, tensor in engine.weight_tensors().items():
+        tensor.copy_(new_state[name])
+    engine.adopt_weights(1)
+    second_prompt = prompt + first.token_ids + observation
+    second = engine.generate([Request(1, second_prompt, SamplingParams(max_new_tokens=6), park=True,
+                                      resume=0)])[0]
+    assert (engine.resumed, engine.resume_misses, engine.stale_resumes) == (0, 1, 1)
+    assert second.versions == [1] * 6
+    assert_matches_teacher_forced(new_model, second, 1.0)
+    # the next turn, with no load in between, extends the cache the full prefill made
+    third = engine.generate([Request(2, second_prompt + second.token_ids + observation,
+                                     SamplingParams(max_new_tokens=4), resume=1)])[0]
+    assert (engine.resumed, engine.resume_misses, engine.stale_resumes) == (1, 1, 1)
+    assert_matches_teacher_forced(new_model, third, 1.0)
+
+
 def test_a_stop_string_ends_a_sequence_even_inside_a_token(model):
     prompt = random_prompts([7])[0]
     engine = BuiltinEngine(model, max_batch=2, max_len=32)

@@ -1,5 +1,6 @@
 """Multi-turn episodes (envs/): the record's loss mask against a full re-rendering, every loss blind to masked
 tokens, a weight update mid-episode, every finish reason, and hostile tools and models."""
+import threading
 import time
 from dataclasses import dataclass
 
@@ -185,6 +186,23 @@ def test_every_loss_ignores_masked_tokens_whatever_they_hold():
         torch.testing.assert_close(losses[0][1], losses[1][1], msg=name)
 
 
+def test_dapo_s_overlong_penalty_counts_the_policy_s_tokens_only():
+    """An episode of 4 sampled tokens and 6 of observations fills rollout.max_new_tokens (10) but is not long:
+    no penalty; a one-shot completion of 10 sampled tokens gets the full one."""
+    n, t = 4, 10
+    mask = torch.zeros(n, t)
+    mask[0, [0, 1, 5, 9]] = 1  # two turns, observations between and after them
+    mask[1] = 1  # sampled to the limit
+    mask[2:, :3] = 1
+    lp = torch.full((n, t), -1.0)
+    mb = algos.MicroBatch(logprobs=lp.clone().requires_grad_(), behav_logprobs=lp, mask=mask,
+                          rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=n, batch_sequences=n,
+                          batch_tokens=int(mask.sum()), max_new_tokens=t, step=0)
+    dapo = algos.get("dapo")
+    _, metrics = dapo.Loss(dapo.Config())(mb)
+    assert metrics["dapo/overlong_penalty_mean"] == -0.25 and metrics["dapo/overlong_frac"] == 0.25
+
+
 def test_the_trainer_batch_reads_the_record_mask():
     from trainer.batch import pack
 
@@ -220,7 +238,9 @@ def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tiny_mode
     sampled = [(v, t) for v, t, m in zip(episode.versions, episode.turn_ids, episode.mask) if m]
     assert {v for v, t in sampled if t == 0} == {0} and {v for v, t in sampled if t >= 1} <= {0, 1}
     assert {v for v, t in sampled if t == 2} == {1}
-    assert engine.resumed == 2 and engine.resume_misses == 0  # each later turn prefilled only its new tokens
+    # turn 1 prefilled only its new tokens; turn 2's parked cache held values of the old weights: a full
+    # prefill under the new ones
+    assert (engine.resumed, engine.resume_misses, engine.stale_resumes) == (1, 1, 1)
     group = to_group([episode, episode], [1.0, 1.0], 0, 0, 0)
     assert group.min_version() == 0  # staleness is the oldest sampled token's
     from trainer.row_metrics import episodes
@@ -257,10 +277,256 @@ def test_each_finish_reason_is_produced_and_recorded(tokenizer, reason):
     assert [e.finish for e in episodes] == [reason, reason]
     group = to_group(episodes, [e.reward for e in episodes], 0, 0, 0)
     assert group.finish.tolist() == [FINISH_REASONS.index(reason)] * 2
+    # env.mask's default keeps errors and timeouts out of the loss, and trains on truncation
+    masked = reason in ("env_error", "env_timeout")
+    assert [e.masked for e in episodes] == [masked] * 2
+    assert group.loss_mask.any(1).tolist() == [not masked] * 2
     assert counts["episodes"] == 2
     if reason in ("env_error", "env_timeout"):
         assert counts[reason + "s"] == 2
     assert all(len(e.token_ids) <= case.budget for e in episodes)
+    turns.close()
+
+
+def test_env_mask_keeps_the_finishes_it_names_out_of_the_loss_and_their_rewards_in_the_baseline(tokenizer):
+    """env.mask=[budget]: a truncated episode's tokens leave the loss mask (so no rule reads any of them),
+    its reward stays in the group, the staleness of a wholly masked group is its tokens', and the fresh
+    groups' metrics count it (episode/masked). A value that is no finish reason is refused in one line."""
+    from trainer.row_metrics import episodes as episode_metrics
+
+    replies = {0: ("5", True), 1: (" ".join(map(str, range(60))), False)}  # episode 1 runs out of budget
+    engine = ScriptEngine(tokenizer, lambda key, turn: replies[key % 2], version=3)
+    turns = make_turns(tokenizer, engine, lambda: Echo(turns=1), budget=40, max_turn_tokens=40,
+                       mask=["budget"])
+    done, cut = drive(turns, engine, n=2)
+    assert (done.finish, cut.finish, done.masked, cut.masked) == ("done", "budget", False, True)
+    group = to_group([done, cut], [1.0, 0.0], 0, 0, 0)
+    assert group.loss_mask[0].sum() == sum(done.mask) and not group.loss_mask[1].any()
+    assert group.rewards.tolist() == [1.0, 0.0] and group.completion_lens[1] == len(cut.token_ids)
+    metrics = episode_metrics([group])
+    assert metrics["episode/masked"] == 0.5 and metrics["episode/policy_tokens"] == sum(done.mask)
+    whole = to_group([cut, cut], [0.0, 0.0], 0, 0, 0)
+    assert not whole.loss_mask.any() and whole.min_version() == 3
+    with pytest.raises(ValueError, match="config key 'env.mask' must list finish reasons among done"):
+        EnvConfig(mask=["errors"]).check()
+    turns.close()
+
+
+def test_a_masked_sample_adds_no_term_to_any_rule():
+    """Every rule, a sample with no token on the mask: its logprobs (whatever they hold) move neither the loss
+    nor any gradient, and a batch masked whole gives a loss of 0, not 0 / 0."""
+    torch.manual_seed(0)
+    n, t, k = 8, 6, 4
+    values = {name: torch.randn(n, t) * 0.3 - 1.0 for name in ("logprobs", "behav", "ref", "prox")}
+    rewards = torch.rand(n)
+    mask = torch.ones(n, t)
+    mask[1] = 0
+    for name in algos.names():
+        module = algos.get(name)
+        loss_fn = module.Loss(module.Config())
+        results = []
+        for garbage in (0.0, 5.0):
+            held = {key: v.clone() for key, v in values.items()}
+            for v in held.values():
+                v[1] += garbage
+            for m in (mask, torch.zeros(n, t)):
+                logprobs = held["logprobs"].requires_grad_()
+                mb = algos.MicroBatch(logprobs=logprobs, behav_logprobs=held["behav"], mask=m,
+                                      rewards=rewards, group_size=k, batch_sequences=n,
+                                      batch_tokens=int(m.sum()), max_new_tokens=t, step=0,
+                                      ref_logprobs=held["ref"], prox_logprobs=held["prox"])
+                loss, _ = loss_fn(mb)
+                loss.backward()
+                results.append((loss.detach(), logprobs.grad.clone()))
+                logprobs.grad = None
+        (loss_a, grad_a), (empty, empty_grad), (loss_b, grad_b), _ = results
+        torch.testing.assert_close(loss_a, loss_b, msg=name)
+        torch.testing.assert_close(grad_a, grad_b, msg=name)
+        assert not grad_a[1].any() and grad_a.any(), name
+        assert empty.item() == 0.0 and not empty_grad.any(), name
+
+
+@pytest.mark.parametrize("name", ["tb", "online_dpo"])
+def test_tb_and_online_dpo_leave_a_masked_sample_out_of_log_z_and_of_the_pairs(name):
+    """A sequence-level rule with a masked sample gives the loss and gradient of its group without it: tb
+    takes log Z over the others and adds no residual for it; online_dpo neither chooses nor rejects it, even
+    with the group's best reward (pack_pairs' `pair` as well)."""
+    from algos.online_dpo import pair
+    from buffer.ring import Group
+
+    torch.manual_seed(1)
+    n, t, k = 8, 5, 4
+    values = {key: torch.randn(n, t) * 0.3 - 1.0 for key in ("logprobs", "ref")}
+    rewards = torch.tensor([0.2, 3.0, 0.9, 0.5, 0.1, 0.7, 2.0, 0.4])
+    out = [1, 6]  # each group's best reward, masked
+    keep = [i for i in range(n) if i not in out]
+    module = algos.get(name)
+    loss_fn = module.Loss(module.Config())
+    got = []
+    for rows, m in ((list(range(n)), torch.ones(n, t).index_fill(0, torch.tensor(out), 0)),
+                    (keep, torch.ones(len(keep), t))):
+        logprobs = values["logprobs"].clone().requires_grad_()
+        mb = algos.MicroBatch(logprobs=logprobs[rows], behav_logprobs=values["logprobs"][rows].detach(),
+                              mask=m, rewards=rewards[rows], group_size=len(rows) // 2, batch_sequences=n,
+                              batch_tokens=int(m.sum()), max_new_tokens=t, step=0,
+                              ref_logprobs=values["ref"][rows])
+        loss, _ = loss_fn(mb)
+        loss.backward()
+        got.append((loss.detach(), logprobs.grad))
+    torch.testing.assert_close(got[0][0], got[1][0])
+    torch.testing.assert_close(got[0][1], got[1][1])
+    sampled = torch.ones(k, t, dtype=torch.bool)
+    sampled[1] = False
+    group = Group(torch.tensor([5]), torch.ones(k, t, dtype=torch.long), torch.full((k,), t),
+                  torch.zeros(k, t), torch.zeros(k, t, dtype=torch.long), rewards[:k],
+                  torch.zeros(k, dtype=torch.bool), 0, 0, 0, loss_mask=sampled)
+    assert pair(group).rewards.tolist() == [rewards[2].item(), rewards[0].item()]
+
+
+def test_a_step_that_waits_in_the_queue_is_not_timed_out(tokenizer):
+    """The step timeout counts from when a thread starts the step: 8 episodes on 2 threads with 0.4 s steps
+    and a 1 s timeout all end done (the deadline from submission timed out or dropped half of them)."""
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("5", True))
+    counts = {}
+    turns = make_turns(tokenizer, engine, lambda: Echo(turns=1, delay=0.4), counts=counts, threads=2,
+                       step_timeout_s=1.0)
+    episodes = drive(turns, engine, n=8)
+    assert [e.finish for e in episodes] == ["done"] * 8
+    assert counts.get("env_errors", 0) == counts.get("env_timeouts", 0) == 0 and turns.pool.stuck == 0
+    turns.close()
+
+
+class Blocking(Echo):
+    """A step that runs until `release` is set; records whether close() came while a step was running."""
+
+    def __init__(self, release):
+        super().__init__(turns=1)
+        self.release, self.running, self.steps = release, False, 0
+        self.closed, self.closed_while_running = threading.Event(), None
+
+    def step(self, action):
+        self.running, self.steps, self.thread = True, self.steps + 1, threading.current_thread()
+        self.release.wait()
+        self.running = False
+        return super().step(action)
+
+    def close(self):
+        self.closed_while_running = self.running
+        self.closed.set()
+
+
+def test_an_environment_is_closed_only_once_its_timed_out_step_returns(tokenizer):
+    """A step past env.step_timeout_s ends its episode env_timeout and its thread is written off (counted),
+    but its environment is not closed while the step runs: never, if it never returns; by that thread once it
+    does, which then exits instead of serving more steps."""
+    release = threading.Event()
+    envs = []
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("5", True))
+    counts = {}
+    turns = make_turns(tokenizer, engine, lambda: envs.append(Blocking(release)) or envs[-1], counts=counts,
+                       threads=1, step_timeout_s=0.3)
+    episode, = drive(turns, engine)
+    env = envs[-1]
+    assert episode.finish == "env_timeout" and counts["stuck_threads"] == 1 and turns.pool.stuck == 1
+    assert env.running and not env.closed.is_set()  # in its step: not closed (ever, if it never returns)
+    release.set()
+    assert env.closed.wait(10) and env.closed_while_running is False
+    env.thread.join(10)
+    assert not env.thread.is_alive()  # retired: its replacement serves the pool
+    turns.close()
+
+
+def test_a_step_still_queued_at_the_episode_timeout_never_runs_and_its_environment_closes_at_once(tokenizer):
+    """The step timeout does not run in the queue; env.episode_timeout_s does: the episode ends env_timeout,
+    its step is never run, and its environment is closed at once (nothing runs it)."""
+    release = threading.Event()
+    envs = []
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("5", True))
+    counts = {}
+    turns = make_turns(tokenizer, engine, lambda: envs.append(Blocking(release)) or envs[-1], counts=counts,
+                       threads=1, step_timeout_s=30.0, episode_timeout_s=0.5)
+    busy = turns.pool.submit(release.wait)  # the pool's only thread
+    episode, = drive(turns, engine)
+    env = envs[-1]
+    assert episode.finish == "env_timeout" and "stuck_threads" not in counts
+    assert env.steps == 0 and env.closed.is_set()
+    release.set()
+    after = turns.pool.submit(lambda: "ran")  # queued behind the written-off step: done once that is passed
+    deadline = time.monotonic() + 10
+    while not after.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert after.result() == "ran" and busy.result() is True and env.steps == 0
+    turns.close()
+
+
+class Broken(Echo):
+    def __init__(self, where, **kwargs):
+        if where == "build":
+            raise RuntimeError("no environment today")
+        super().__init__(**kwargs)
+        self.where = where
+
+    def reset(self, example):
+        if self.where == "reset":
+            raise RuntimeError("reset broke")
+        return super().reset(example)
+
+    def step(self, action):
+        step = super().step(action)
+        if self.where == "nan":
+            step.reward = float("nan")
+        elif self.where == "inf":
+            step.reward = float("inf")
+        elif self.where == "info":
+            step.info = {"tool_calls": "x", "tool_errors": float("nan"), "parse_errors": 2,
+                         "unknown_tools": 10 ** 30}
+        elif self.where == "not a dict":
+            step.info = ["tool_calls"]
+        return step
+
+
+@pytest.mark.parametrize("where", ["build", "reset", "renderer", "nan", "inf"])
+def test_a_broken_environment_or_renderer_ends_its_episode_as_env_error(tokenizer, where):
+    """A raising constructor, reset or renderer, a NaN or infinite reward: the episode ends env_error
+    (counted, masked by default), never the worker; one that never started a step ends after one token."""
+    made = []
+
+    def env():
+        made.append(where)
+        return Broken(where if len(made) > 1 else "", turns=2)  # the first: the prompt's
+
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("5 is my guess", True))
+    counts = {}
+    turns = make_turns(tokenizer, engine, env, counts=counts)
+    if where == "renderer":
+        def broken(text):
+            raise RuntimeError("template broke")
+
+        turns.renderer.observation = broken
+    episode, = drive(turns, engine)
+    assert (episode.finish, episode.masked, counts["env_errors"], counts["episodes"]) \
+        == ("env_error", True, 1, 1)
+    if where in ("build", "reset"):
+        assert episode.turns == 1 and len(episode.token_ids) == 1
+        assert engine.requests[0].params.max_new_tokens == 1
+    group = to_group([episode, episode], [0.0, 0.0], 0, 0, 0)
+    assert not group.loss_mask.any()
+    turns.close()
+
+
+@pytest.mark.parametrize("where", ["info", "not a dict"])
+def test_info_values_that_are_not_counts_are_ignored_and_counted(tokenizer, where):
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("5", True))
+    counts = {}
+    turns = make_turns(tokenizer, engine, lambda: Broken(where, turns=3), counts=counts)
+    episode, = drive(turns, engine)
+    assert episode.finish == "done" and episode.turns == 3 and "env_errors" not in counts
+    if where == "info":
+        assert counts["parse_errors"] == 6 and counts["info_ignored"] == 9  # 3 of 4 values, 3 steps
+        assert "tool_calls" not in counts and "unknown_tools" not in counts
+    else:
+        assert counts["info_ignored"] == 3 and "tool_calls" not in counts
     turns.close()
 
 

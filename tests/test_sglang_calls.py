@@ -125,6 +125,7 @@ FAKE = {
         class SamplingParams(msgspec.Struct, kw_only=True):
             max_new_tokens: int = 128
             stop_token_ids: list = None
+            stop: list = None
             temperature: float = 1.0
             top_p: float = 1.0
             skip_special_tokens: bool = True

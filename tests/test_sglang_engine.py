@@ -95,3 +95,28 @@ def test_stop_token_ends_a_request_across_an_interruption():
     assert done.versions == [0] * 3 + [1] * (first - 2)
     engine.shutdown()
     whole.shutdown()
+
+
+def test_a_turn_ends_at_its_stop_string_without_decoding_to_the_limit():
+    """SGLang is given the request's stop strings and stops on them itself (SGLangSpec.stop_strings): a tool
+    call's turn ends at its closing tag, not at the turn's token limit, and keeps the token that completes
+    it."""
+    from engines.sglang import SGLangSpec
+
+    prompt = [4, 4]
+    probe = SGLangEngine(FakeBackend(chunk=100), max_batch=8)
+    tokens = probe.generate([Request(0, prompt, SamplingParams(max_new_tokens=40))])[0].token_ids
+    probe.shutdown()
+    assert len(set(tokens[:4])) == 4  # distinct tokens, so the texts below belong to one position each
+    vocabulary = [f"<{i}>" for i in range(64)]
+    vocabulary[tokens[2]], vocabulary[tokens[3]] = "ab</ca", "lc>zz"  # the stop string ends inside token 3
+    fake = FakeBackend(chunk=100, vocabulary=vocabulary)
+    engine = SGLangEngine(fake, max_batch=8)
+    engine.use_vocabulary(vocabulary)
+    stops = SamplingParams(max_new_tokens=40, stop_strings=("</calc>",))
+    done = engine.generate([Request(1, prompt, stops)])[0]
+    assert done.finish_reason == "stop" and done.token_ids == tokens[:4] and len(done.logprobs) == 4
+    assert fake.decoded == 4  # nothing decoded past the stop string
+    assert sampling_params(SamplingParams(stop_strings=("</calc>",)), 8)["stop"] == ["</calc>"]
+    assert SGLangSpec.stop_strings
+    engine.shutdown()

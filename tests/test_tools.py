@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from envs.tools import Call, Toolbox, ToolError, calculate, parse_call, stop_strings
+from envs.tools import Call, Toolbox, ToolError, calculate, parse_call, parse_calls, stop_strings
 from rewards.sandbox import Limits
 from tests.helpers import require_sandbox
 
@@ -37,7 +37,11 @@ LIMITS = Limits(timeout_s=1, memory_mb=512, processes=8, file_mb=4, output_kb=64
     ("-7 % 3", "2"),
     ("2**0.5", "1.414214"),
     ("99999999999999999999 / 3", "33333333333333333333"),
-    ("1/100000", "1e-05"),
+    ("1/100000", "0.00001"),
+    ("1/300000", "0.00000333333"),
+    ("-2/3 * 10**-7", "-0.0000000666667"),
+    ("1/10**30", "1/10**30"),
+    ("2**-80", "827181/10**30"),
     ("10**1000 // 10**999", "10"),
 ])
 def test_the_calculator_computes_arithmetic(expression, expected):
@@ -97,6 +101,16 @@ def test_the_calculator_runs_nothing_it_reads(tmp_path):
     ('<tool_call>\n{"name": "calc", "arguments": {"expression": "2*3"}}\n</tool_call> so it is 6',
      "hermes", Call("calc", {"expression": "2*3"})),
     ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "hermes", Call("search", {})),
+    # OpenAI's format: the arguments as a JSON string
+    ('<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>', "hermes",
+     Call("calc", {"expression": "2*3"})),
+    # a <tool_call> mentioned in prose, before or after the call
+    ('I write <tool_call> tags. <tool_call>{"name": "calc", "arguments": {"expression": "1"}}</tool_call>',
+     "hermes", Call("calc", {"expression": "1"})),
+    ('<tool_call>{"name": "calc", "arguments": {"expression": "1"}}</tool_call> as a <tool_call> tag does',
+     "hermes", Call("calc", {"expression": "1"})),
+    ('a <tool_call> and its </tool_call> then <tool_call>{"name": "calc", "arguments": {"expression": "1"}}'
+     "</tool_call>", "hermes", Call("calc", {"expression": "1"})),
 ])
 def test_the_first_call_is_read_and_text_after_it_ignored(text, fmt, expected):
     assert parse_call(text, fmt) == expected
@@ -122,14 +136,43 @@ def test_a_turn_without_a_call_is_a_final_answer(text, fmt):
     ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', "hermes", "JSON object"),
     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "hermes", "JSON object"),
     ('<tool_call>{"name": "calc"}</tool_call>', "hermes", '"arguments"'),
-    ('<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>', "hermes",
-     '"arguments"'),
+    ('<tool_call>{"name": "calc", "arguments": "1+1"}</tool_call>', "hermes", '"arguments"'),
+    ('<tool_call>{"name": "calc", "arguments": "[1]"}</tool_call>', "hermes", '"arguments"'),
+    ("I use <tool_call> tags, like <tool_call>this</tool_call>.", "hermes", "not valid JSON"),
 ])
 def test_a_malformed_call_is_a_parse_error(text, fmt, message):
     with pytest.raises(ToolError) as error:
         parse_call(text, fmt)
     assert error.value.kind == "parse"
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_several_hermes_calls_in_one_turn_are_read_in_order():
+    text = ('<tool_call>{"name": "calc", "arguments": {"expression": "1+1"}}</tool_call> and '
+            '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>')
+    assert parse_calls(text, "hermes") == [Call("calc", {"expression": "1+1"}),
+                                           Call("calc", {"expression": "2*3"})]
+    assert parse_calls("<calc>1</calc><calc>2</calc>", "tags") == [Call("calc", {"expression": "1"})]
+    assert parse_calls("42", "hermes") == []
+
+
+def test_a_tool_env_answers_every_call_of_a_turn_in_one_observation_in_order():
+    from envs.toolenv import ToolEnv
+
+    env = ToolEnv(Toolbox(("calc",)), "hermes", score=lambda reply, answer: 0.0, prompt=lambda ex: [])
+    step = env.step('<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+                    '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+                    '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1/0\\"}"}</tool_call>')
+    assert step.observation == ("42\nerror: unknown tool 'nope' (tools: calc)\nerror: division by zero")
+    assert not step.done and step.info == {"tool_calls": 2, "unknown_tools": 1, "tool_errors": 1}
+
+
+@pytest.mark.parametrize("expression", ["1/3", "-1/3", "2**0.5", "1/100000", "1/300000", "2/3 * 10**-7",
+                                        "1/10**30", "2**-80", "1/7/10**25", "99999999999999999999 / 3",
+                                        "0.1 + 0.2", "10**-20", "-3 * 10**-21", "1/99999", "1/100001"])
+def test_the_calculator_reads_back_what_it_prints(expression):
+    printed = calculate(expression)
+    assert calculate(printed) == printed and "e" not in printed
 
 
 def test_formats_name_their_stop_strings_and_refuse_unknown_ones():

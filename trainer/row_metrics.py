@@ -44,16 +44,20 @@ def kept_and_dropped(kept: list, dropped: list) -> dict:
 
 
 def episodes(fresh: list) -> dict:
-    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, and
-    the spread of policy versions inside one episode (a weight update mid-episode is legal)."""
+    """What the fresh groups' records say of their episodes: turns, lengths, why they ended, whose tokens, the
+    share kept out of the loss (env.mask: no token on the loss mask), and the spread of policy versions inside
+    one episode (a weight update mid-episode is legal)."""
     turns = torch.cat([g.turns for g in fresh]).float()
     lens = torch.cat([g.completion_lens for g in fresh]).float()
     finish = torch.cat([g.finish for g in fresh])
-    policy = env = 0
+    policy = env = masked = 0
     spreads = []
     for g in fresh:
         sampled = g.sampled()
-        policy, env = policy + int(sampled.sum()), env + int(g.completion_lens.sum()) - int(sampled.sum())
+        kept = sampled.any(1)  # a masked episode's tokens are neither the policy's nor the environment's here
+        masked += int((~kept).sum())
+        policy += int(sampled.sum())
+        env += int((g.completion_lens - sampled.sum(1))[kept].sum())
         for row, mask in zip(g.versions, sampled):
             versions = row[mask]
             spreads.append(int(versions.max() - versions.min()) if len(versions) else 0)
@@ -61,7 +65,7 @@ def episodes(fresh: list) -> dict:
            "episode/len_p50": lens.quantile(0.5).item(), "episode/len_p90": lens.quantile(0.9).item(),
            "episode/len_max": lens.max().item(), "episode/policy_tokens": policy, "episode/env_tokens": env,
            "episode/version_spread_mean": sum(spreads) / len(spreads),
-           "episode/version_spread_max": max(spreads)}
+           "episode/version_spread_max": max(spreads), "episode/masked": masked / len(finish)}
     for code, reason in enumerate(FINISH_REASONS):
         out[f"episode/finish_{reason}"] = (finish == code).float().mean().item()
     return out
