@@ -78,6 +78,7 @@ class AgentEpisodes:
         self.ended: list[AgentEpisode] = []  # ended while serving a request (a limit, a bad request): poll's
         self.renderers: dict[str, Renderer] = {}
         self.said: set[str] = set()  # kinds of failure already printed (_say)
+        self.http, self.http_lock = None, threading.Lock()  # the sync workflows' shared connection pool
         self.scorer = RewardPool(task.reward, 1, 10.0) if task.reward else None
         engine.use_vocabulary(vocabulary(tokenizer))  # for the requests' stop strings
 
@@ -143,8 +144,20 @@ class AgentEpisodes:
                 ended.append(self._end(episode, "env_timeout"))
         return ended
 
+    def _http(self):
+        """The connection pool the sync workflows' clients share (made once, by whichever needs it first)."""
+        with self.http_lock:
+            if self.http is None:
+                import httpx
+
+                pool = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+                self.http = httpx.Client(limits=pool, timeout=self.cfg.episode_timeout_s)
+            return self.http
+
     def close(self) -> None:
         self.endpoint.close()
+        if self.http is not None:
+            self.http.close()
         if self.scorer is not None:
             self.scorer.close()
 
@@ -264,9 +277,8 @@ class AgentEpisodes:
                         async with openai.AsyncOpenAI(**common) as client:
                             return await fn(client, example)
                     workflow.value = asyncio.run(main())
-                else:
-                    with openai.OpenAI(**common) as client:
-                        workflow.value = fn(client, example)
+                else:  # every episode's client on one connection pool: no TLS set-up and pool per episode
+                    workflow.value = fn(openai.OpenAI(**common, http_client=self._http()), example)
             except BaseException as error:  # noqa: B902 — user code: whatever it raises ends its episode
                 workflow.error = error
             finally:

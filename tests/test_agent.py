@@ -253,3 +253,18 @@ def test_a_failed_workflow_s_episode_is_kept_out_of_the_loss_by_env_mask(tokeniz
     assert episode.finish == "env_error" and episode.masked
     group = to_group([episode], [0.0], 0, 0, 0)
     assert not group.loss_mask.any()
+
+
+def test_bench_endpoint_compares_the_same_episodes_in_process_and_through_the_endpoint(tiny_model_dir):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "bench.endpoint", "--model", tiny_model_dir, "--groups", "1",
+                             "--group-size", "2", "--repeats", "1", "--dtype", "float32"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("endpoint_vs_inprocess=") and float(last.split("=")[1]) > 0
+    assert "requests through the endpoint" in result.stdout
