@@ -29,7 +29,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> tor
     # strictly below the total, even after rounding
     target = (u.clamp(max=1 - 2**-20) * block_cdf[:, -1])[:, None]
     b = torch.searchsorted(block_cdf, target, right=True)
-    inner_cdf = blocks[torch.arange(n), b.squeeze(1)].cumsum(dim=-1)
+    inner_cdf = blocks[torch.arange(n, device=weights.device), b.squeeze(1)].cumsum(dim=-1)
     # Re-summing the block can round differently: stay strictly below its total so a zero-weight tail is never
     # hit.
     rest = torch.minimum(target - (block_cdf.gather(1, b) - inner_cdf[:, -1:]),

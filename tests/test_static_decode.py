@@ -7,6 +7,7 @@ from transformers import LlamaForCausalLM
 
 from engines.base import Request, SamplingParams
 from engines.builtin import BuiltinEngine
+from engines.sampler import Passes
 from engines.static_decode import StaticDecode, row_buckets, width_buckets
 from tests.test_engine import assert_matches_teacher_forced, random_prompts
 
@@ -215,3 +216,37 @@ def test_the_fallback_forward_keeps_the_step_by_step_decode(tiny_model_dir, caps
     engine = BuiltinEngine(model, max_batch=2, max_len=32, static=True, fallback=True)
     assert engine.decoder is None and "static decode step runs the fast path only" in capsys.readouterr().out
     assert len(engine.generate(mixed_requests()[:2])[0].token_ids) == 9
+
+
+@pytest.mark.parametrize("passes", [Passes(False, False, False), Passes(True, True, True)])
+def test_the_static_step_makes_no_tensor_off_the_engine_s_device(passes):
+    """A CUDA graph cannot capture a host tensor made in its body (an index built on the CPU is copied over,
+    which capture refuses): the step run on the meta device makes every tensor there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig
+
+    from engines.llama import Llama
+    from engines.static_decode import SlotState
+
+    config = LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    meta = torch.device("meta")
+    forward = Llama(LlamaForCausalLM(config), torch.float32, 32, meta)
+    k_cache, v_cache = forward.new_cache(4, 32)
+    state = {name: torch.zeros(4, dtype=torch.long, device=meta) for name in ("token", "pos", "request")}
+    slots = SlotState(temperature=torch.ones(4, device=meta), top_p=torch.ones(4, device=meta), **state)
+    step = StaticDecode(forward, k_cache, v_cache, slots, seed=0, max_len=32, graphs=False)
+
+    class Devices(TorchDispatchMode):
+        made: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.device != meta:
+                    self.made.add(f"{func} on {tensor.device}")
+            return out
+
+    with Devices() as seen:
+        step._body(4, 32, passes)
+    assert seen.made == set()
