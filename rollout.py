@@ -256,12 +256,14 @@ def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id
     """K episodes of one prompt and their rewards as one ring entry, padded to the longest. An episode's
     tokens after the prompt are its completion; the loss mask marks those the policy sampled, and none of a
     masked episode's (its finish is one of env.mask): no loss term reads it, while its reward still counts in
-    its group's baseline."""
+    its group's baseline. Each turn's reward is its environment step's; an episode without steps (one-shot,
+    agent code) holds its reward on its last turn."""
     width = max(len(e.token_ids) for e in episodes)
     k = len(episodes)
     ids, logprobs = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width)
     versions, turn_ids = torch.zeros(k, width, dtype=torch.long), torch.zeros(k, width, dtype=torch.long)
     mask = torch.zeros(k, width, dtype=torch.bool)
+    turn_rewards = torch.zeros(k, max(max(e.turns for e in episodes), 1))
     for i, e in enumerate(episodes):
         n = len(e.token_ids)
         ids[i, :n] = torch.tensor(e.token_ids)
@@ -270,6 +272,10 @@ def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id
         turn_ids[i, :n] = torch.tensor(e.turn_ids)
         if not e.masked:
             mask[i, :n] = torch.tensor(e.mask)
+        if e.turn_rewards:
+            turn_rewards[i, :len(e.turn_rewards)] = torch.tensor(e.turn_rewards)
+        else:
+            turn_rewards[i, max(e.turns - 1, 0)] = rewards[i]
     return Group(
         prompt_ids=torch.tensor(episodes[0].prompt_ids),
         completion_ids=ids,
@@ -285,4 +291,5 @@ def to_group(episodes: list[Episode], rewards: list[float], index: int, group_id
         turn_ids=turn_ids,
         turns=torch.tensor([e.turns for e in episodes]),
         finish=torch.tensor([e.finish_code for e in episodes]),
+        turn_rewards=turn_rewards,
     )

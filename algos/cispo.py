@@ -2,6 +2,7 @@
 gradient.
 
     A_i    = (r_i - mean(r_group)) / std(r_group)                  (scale_std: false drops the division)
+             (turn_credit=return_to_go: A_it of token t's turn, algos.turn_advantages, as in algos/grpo.py)
     r_it   = pi_theta(y_it | x, y_<t) / pi_old(y_it | x, y_<t)     pi_old = pi_behav
     w_it   = sg[clip(r_it, 1 - eps, 1 + eps_high)]                 sg: stop-gradient
                                                                    (the weight is a constant)
@@ -13,18 +14,19 @@ The paper sets no lower bound on the weight (eps large) and tunes only the upper
 and peers differ (Trinity-RFT's default is 0.28, DAPO's clip-higher). Unlike PPO/GRPO's min(), a token whose
 ratio is clipped still trains, with its weight held at the bound.
 With algo.correction (algos.PGConfig): pi_old = pi_prox and l_it is weighted by c_it, the correction weight.
-Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = groups * K.
+Shapes: logprobs, behav_logprobs, prox_logprobs, mask, turn_ids [n, T]; rewards, turns [n];
+turn_rewards [n, R]; n = groups * K.
 """
 from dataclasses import dataclass
 
 import torch
 
-from algos import MicroBatch, PGConfig, PGLoss, group_advantages, old_policy, safe_ratio
+from algos import MicroBatch, PGConfig, PGLoss, TurnCredit, advantages, old_policy, safe_ratio
 from registry import require
 
 
 @dataclass
-class Config(PGConfig):
+class Config(TurnCredit, PGConfig):
     name: str = "cispo"
     clip_eps: float = 1.0  # lower clip of the weight, 1 - eps (1: no lower bound, as in the paper)
     clip_eps_high: float = 4.0  # upper clip of the weight, 1 + eps_high (the one bound the paper tunes)
@@ -34,12 +36,17 @@ class Config(PGConfig):
         require(0 < self.clip_eps <= 1, "algo.clip_eps", "must be in (0, 1]", self.clip_eps)
         require(self.clip_eps_high > 0, "algo.clip_eps_high", "must be > 0", self.clip_eps_high)
         self.check_correction()
+        self.check_turn_credit()
 
 
 class Loss(PGLoss):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.tied_groups_learn_nothing = cfg.ties_learn_nothing()  # discounting later turns can untie one
+
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
-        adv = group_advantages(mb.rewards, mb.group_size, scale=cfg.scale_std)[:, None]  # [n, 1]
+        adv, credit = advantages(cfg, mb, scale=cfg.scale_std)  # [n, 1], or [n, T] per turn
         old, weight, correction = old_policy(cfg, mb)
         low, high = 1 - cfg.clip_eps, 1 + cfg.clip_eps_high
         with torch.no_grad():
@@ -58,7 +65,7 @@ class Loss(PGLoss):
                 "cispo/weight_clipped_low_frac": (((low - ratio) > 1e-6).float() * mb.mask).sum().item()
                                                  / tokens,
                 "cispo/weight_mean": (is_weight * mb.mask).sum().item() / tokens,
-                "cispo/adv_abs_mean": adv.abs().mean().item(),
+                **{f"cispo/{k}": v for k, v in credit.items()},
                 **correction,
             }
         return loss, metrics

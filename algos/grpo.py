@@ -13,11 +13,22 @@ DAPO's soft overlong punishment, with L_max = rollout.max_new_tokens and L_c = o
     R_len(l) = 0 for l <= L_max - L_c;  (L_max - L_c - l) / L_c * overlong_penalty up to L_max
 l = |y_i| counts the tokens the policy sampled (the mask): a multi-turn episode's observations are not its
 length, and a masked sample (env.mask) gets no penalty.
+Per-turn credit (turn_credit=return_to_go, algos.TurnCredit): r_ik is the environment's step reward after turn
+k of episode i (R_len joins its last turn's), and A_i becomes A_it, the advantage of token t's turn k(t)
+(algos.turn_advantages), so a turn is credited only with its own reward and what followed it:
+    G_ik     = sum_{k' >= k} gamma^(k' - k) r_ik'                   [n, R] of turn_rewards; gamma = turn_gamma
+    A_it     = (G_i,k(t) - mean_j G_j0) / std_j G_j0                [n, T]; k(t) = turn_ids (Dr. GRPO: no std)
+               (0 at every token of a group whose G_j0 tie)
+The baseline is the group's mean return from turn 0, one constant for every turn, not a later turn's expected
+return-to-go: no bias beyond GRPO's own, but a later turn's advantage is offset by about minus the reward
+expected before it, noise that the std scaling amplifies where a group's returns nearly agree
+(algos.turn_advantages; docs/design.md, "Per-turn credit").
 DAPO's clip-higher is clip_eps_high > clip_eps, and its dynamic sampling (groups whose rewards all tie are
 dropped and replaced by new ones) is buffer.dynamic_sampling, done where the trainer takes data from the ring.
 With algo.correction (algos.PGConfig): pi_old = pi_prox and l_it is weighted by c_it, the correction weight.
 Ratios come from log-ratios clamped to +-20 (algos.safe_ratio): masked tokens never make a NaN.
-Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = groups * K.
+Shapes: logprobs, behav_logprobs, prox_logprobs, mask, turn_ids [n, T]; rewards, turns [n];
+turn_rewards [n, R]; n = groups * K.
 """
 from dataclasses import dataclass
 
@@ -27,9 +38,10 @@ from algos import (
     MicroBatch,
     PGConfig,
     PGLoss,
+    TurnCredit,
+    advantages,
     clip_fractions,
     clipped_objective,
-    group_advantages,
     old_policy,
     safe_ratio,
 )
@@ -37,7 +49,7 @@ from registry import require
 
 
 @dataclass
-class Config(PGConfig):
+class Config(TurnCredit, PGConfig):
     name: str = "grpo"
     clip_eps: float = 0.2  # lower clip of the ratio
     clip_eps_high: float = 0.2  # upper clip (clip-higher when larger than clip_eps)
@@ -58,6 +70,7 @@ class Config(PGConfig):
                 self.overlong_buffer_frac)
         require(self.overlong_penalty >= 0, "algo.overlong_penalty", "must be >= 0", self.overlong_penalty)
         self.check_correction()
+        self.check_turn_credit()
 
 
 def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer_frac: float,
@@ -73,18 +86,18 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer_frac: fl
 class Loss(PGLoss):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.tied_groups_learn_nothing = cfg.overlong_buffer_frac == 0  # the length shaping can untie a group
+        # the length shaping, or a discount of later turns, can untie a group
+        self.tied_groups_learn_nothing = cfg.overlong_buffer_frac == 0 and cfg.ties_learn_nothing()
 
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
-        rewards, shaping = mb.rewards, {}
+        penalty, shaping = None, {}
         if cfg.overlong_buffer_frac > 0:
             penalty = overlong_shaping(mb.mask.sum(1), mb.max_new_tokens, cfg.overlong_buffer_frac,
-                                       cfg.overlong_penalty).to(rewards.dtype)
-            rewards = rewards + penalty
+                                       cfg.overlong_penalty).to(mb.rewards.dtype)
             shaping = {"overlong_penalty_mean": penalty.mean().item(),
                        "overlong_frac": (penalty < 0).float().mean().item()}
-        adv = group_advantages(rewards, mb.group_size, scale=not cfg.dr_grpo)[:, None]  # [n, 1]
+        adv, credit = advantages(cfg, mb, scale=not cfg.dr_grpo, bonus=penalty)  # [n, 1], or [n, T] per turn
         old, weight, correction = old_policy(cfg, mb)
         ratio = safe_ratio(mb.logprobs - old, mb.mask)  # [n, T]
         objective, dual = clipped_objective(ratio, adv, cfg.clip_eps, cfg.clip_eps_high, cfg.dual_clip)
@@ -105,7 +118,7 @@ class Loss(PGLoss):
                 "clip_frac": sides["clip_frac_low"] + sides["clip_frac_high"],  # tokens the clip cut
                 **sides,
                 "ratio_mean": (ratio * mb.mask).sum().item() / tokens.item(),
-                "adv_abs_mean": adv.abs().mean().item(),
+                **credit,
                 **({"dual_clip_frac": (dual * mb.mask).sum().item() / tokens.item()} if cfg.dual_clip
                    else {}),
                 **shaping,

@@ -1,6 +1,7 @@
 """Decoupled PPO (AReaL, Fu et al. 2025); standard PPO when the proximal policy is the behaviour policy.
 
     A_i    = (r_i - mean(r_group)) / std(r_group)                (scale_std: false drops the division)
+             (turn_credit=return_to_go: A_it of token t's turn, algos.turn_advantages, as in algos/grpo.py)
     w_it   = pi_prox(y_it) / pi_behav(y_it)                      behaviour importance weight, no grad
     rho_it = pi_theta(y_it) / pi_prox(y_it)
     l_it   = -w_it * min(rho_it * A_i, clip(rho_it, 1 - eps, 1 + eps_high) * A_i)
@@ -19,7 +20,8 @@ gradient). The clip bites from the second minibatch on (train.minibatches > 1), 
 the second epoch (train.epochs > 1, PPO's own); the default keeps one of each, the fastest to reward here
 (docs/benchmarks.md, "Time to reward"), and the behaviour weight's cap still bounds how far stale data can
 pull.
-Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = G * K.
+Shapes: logprobs, behav_logprobs, prox_logprobs, mask, turn_ids [n, T]; rewards, turns [n];
+turn_rewards [n, R]; n = G * K.
 """
 from dataclasses import dataclass
 
@@ -28,17 +30,18 @@ import torch
 from algos import (
     MicroBatch,
     PGConfig,
+    TurnCredit,
+    advantages,
     clip_fractions,
     clipped_objective,
     correction_weights,
-    group_advantages,
     safe_ratio,
 )
 from registry import require
 
 
 @dataclass
-class Config(PGConfig):
+class Config(TurnCredit, PGConfig):
     name: str = "ppo"
     clip_eps: float = 0.2  # lower clip of the ratio pi/pi_prox
     clip_eps_high: float = 0.2  # upper clip (clip-higher when larger than clip_eps)
@@ -54,6 +57,7 @@ class Config(PGConfig):
         require(self.dual_clip == 0 or self.dual_clip > 1, "algo.dual_clip", "must be 0 (off) or > 1",
                 self.dual_clip)
         self.check_correction()
+        self.check_turn_credit()
         require(self.correction == "none" or self.decoupled, "algo.correction",
                 "must be none for standard PPO (it weights pi_prox / pi_behav, which only decoupled PPO "
                 "has): set algo.decoupled=true", self.correction)
@@ -65,7 +69,7 @@ class Loss:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.needs_proximal = cfg.decoupled
-        self.tied_groups_learn_nothing = True  # A_i = 0 on a tie, and so is every token's term
+        self.tied_groups_learn_nothing = cfg.ties_learn_nothing()  # A = 0 on a tie, and every token's term
 
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
@@ -74,7 +78,7 @@ class Loss:
             prox = mb.prox_logprobs
         else:
             prox = mb.behav_logprobs
-        adv = group_advantages(mb.rewards, mb.group_size, scale=cfg.scale_std)[:, None]  # [n, 1]
+        adv, credit = advantages(cfg, mb, scale=cfg.scale_std)  # [n, 1], or [n, T] per turn
         correction = {}
         if cfg.correction == "none":
             weight = safe_ratio(prox - mb.behav_logprobs, mb.mask).detach()  # [n, T]
@@ -99,7 +103,7 @@ class Loss:
                 "ppo/behav_weight_masked_frac": (mb.mask - kept).sum().item() / tokens,
                 "ppo/behav_weight_mean": (weight * kept).sum().item() / kept_tokens,
                 "ppo/approx_kl": (((ratio - 1) - log_ratio) * kept).sum().item() / kept_tokens,
-                "ppo/adv_abs_mean": adv.abs().mean().item(),
+                **{f"ppo/{k}": v for k, v in credit.items()},
                 **correction,
             }
         return loss, metrics

@@ -37,6 +37,7 @@ class Completion:
     turn_ids: torch.Tensor | None = None  # int64 [L]
     turns: int = 1
     finish: int = 0
+    turn_rewards: torch.Tensor | None = None  # float32 [turns], step rewards (None: older checkpoints)
 
 
 class ReplayBuffer:
@@ -116,7 +117,8 @@ class ReplayBuffer:
                 versions=group.versions[i, :n].clone(), reward=float(group.rewards[i]),
                 truncated=bool(group.truncated[i]), added_at=version,
                 loss_mask=group.loss_mask[i, :n].clone(), turn_ids=group.turn_ids[i, :n].clone(),
-                turns=int(group.turns[i]), finish=int(group.finish[i]))
+                turns=int(group.turns[i]), finish=int(group.finish[i]),
+                turn_rewards=group.turn_rewards[i, :max(int(group.turns[i]), 1)].clone())
             if len(history) > self.per_prompt_capacity:
                 del history[next(iter(history))]
         if before < self._group_size <= len(history):
@@ -177,6 +179,11 @@ class ReplayBuffer:
                 out[row, :length] = missing if value is None else value
             return out
 
+        turn_rewards = None  # a checkpoint from before them: each reward on its last turn (Group's default)
+        if all(c.turn_rewards is not None for c in picked):
+            turn_rewards = torch.zeros(k, max(len(c.turn_rewards) for c in picked))
+            for row, c in enumerate(picked):
+                turn_rewards[row, :len(c.turn_rewards)] = c.turn_rewards
         group = Group(
             prompt_ids=self._prompt_ids[prompt],
             completion_ids=padded("token_ids", torch.int64),
@@ -188,6 +195,7 @@ class ReplayBuffer:
             prompt_index=prompt, group_id=self._next_id, worker_id=-1,  # negative ids mark assembled groups
             loss_mask=padded("loss_mask", torch.bool, True), turn_ids=padded("turn_ids", torch.int64),
             turns=torch.tensor([c.turns for c in picked]), finish=torch.tensor([c.finish for c in picked]),
+            turn_rewards=turn_rewards,
         )
         self._next_id -= 1
         return group

@@ -31,13 +31,14 @@ import torch.multiprocessing as mp
 
 FREE, WRITING, READY = 0, 1, 2
 # Columns of the per-slot metadata row.
-PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID, PUBLISHED_NS = range(6)
+PROMPT_LEN, WIDTH, PROMPT_INDEX, GROUP_ID, WORKER_ID, PUBLISHED_NS, TURN_WIDTH = range(7)
+MAX_TURNS = 64  # turns whose step rewards a slot holds (turn_rewards' columns): env.max_turns at most
 # A slot holds one group as a single byte record, so a put and a get each copy it in one call. The int64
 # fields come first, then float32, then bool: every field starts aligned for its dtype.
 FIELDS = (("prompt_ids", torch.int64), ("completion_ids", torch.int64), ("completion_lens", torch.int64),
           ("versions", torch.int64), ("turn_ids", torch.int64), ("turns", torch.int64),
           ("finish", torch.int64), ("logprobs", torch.float32), ("rewards", torch.float32),
-          ("truncated", torch.bool), ("loss_mask", torch.bool))
+          ("turn_rewards", torch.float32), ("truncated", torch.bool), ("loss_mask", torch.bool))
 # Why an episode ended (Group.finish holds the index): its environment said done; it reached env.max_turns;
 # its last turn was cut by the episode's token budget (rollout.max_new_tokens); the next observation and a
 # turn no longer fit that budget (context); the environment raised; an environment step or the episode ran out
@@ -47,14 +48,14 @@ FINISH_REASONS = ("done", "max_turns", "budget", "context", "env_error", "env_ti
 
 # Group fields with one entry (or row) per completion
 PER_COMPLETION = ("completion_ids", "completion_lens", "logprobs", "versions", "rewards", "truncated",
-                  "loss_mask", "turn_ids", "turns", "finish")
+                  "loss_mask", "turn_ids", "turns", "finish", "turn_rewards")
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
 
-def _shapes(P: int, K: int, N: int) -> list[tuple]:
-    """The shapes of FIELDS for a prompt of P tokens and K completions of width N."""
-    return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,), (K, N), (K,), (K,), (K, N)]
+def _shapes(P: int, K: int, N: int, R: int) -> list[tuple]:
+    """The shapes of FIELDS for a prompt of P tokens and K completions of width N and of R turns."""
+    return [(P,), (K, N), (K,), (K, N), (K, N), (K,), (K,), (K, N), (K,), (K, R), (K,), (K, N)]
 
 
 def _sizes(shapes: list[tuple]) -> list[int]:
@@ -62,9 +63,9 @@ def _sizes(shapes: list[tuple]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(P: int, K: int, N: int) -> tuple[list[tuple], list[int]]:
-    """Shapes and byte sizes of FIELDS for one group, cached: a run sees few distinct (P, N)."""
-    shapes = _shapes(P, K, N)
+def _layout(P: int, K: int, N: int, R: int) -> tuple[list[tuple], list[int]]:
+    """Shapes and byte sizes of FIELDS for one group, cached: a run sees few distinct (P, N, R)."""
+    shapes = _shapes(P, K, N, R)
     return shapes, _sizes(shapes)
 
 
@@ -97,6 +98,9 @@ class Group:
     turn_ids: torch.Tensor | None = None  # int64 [K, N], the turn (0, 1, ...) each token belongs to (None: 0)
     turns: torch.Tensor | None = None  # int64 [K], policy turns in the episode (None: 1)
     finish: torch.Tensor | None = None  # int64 [K], index into FINISH_REASONS (None: from `truncated`)
+    # float32 [K, R]: each policy turn's step reward, 0 past an episode's turns; R >= 1 (None: the reward on
+    # the episode's last turn, as a one-shot completion's and an agent episode's are)
+    turn_rewards: torch.Tensor | None = None
 
     def __post_init__(self):
         k, width = self.completion_ids.shape
@@ -108,6 +112,10 @@ class Group:
             self.turns = torch.ones(k, dtype=torch.int64)
         if self.finish is None:
             self.finish = torch.where(self.truncated, FINISH_REASONS.index("budget"), 0).to(torch.int64)
+        if self.turn_rewards is None:
+            last = (self.turns - 1).clamp(min=0)[:, None]
+            self.turn_rewards = torch.zeros(k, int(last.max()) + 1).scatter_(
+                1, last, self.rewards[:, None].to(torch.float32))
 
     def select(self, index: list[int]) -> "Group":
         """The same group with only the completions at `index`, in that order (a rule that reads a few of
@@ -148,10 +156,10 @@ class TrajectoryRing:
         self.num_slots, self.group_size = num_producers * self.lane_slots, group_size
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         S = self.num_slots
-        record_bytes = sum(_sizes(_shapes(max_prompt_len, group_size, max_new_tokens)))
+        record_bytes = sum(_sizes(_shapes(max_prompt_len, group_size, max_new_tokens, MAX_TURNS)))
         # every record 8-byte aligned
         self._records = _shared(S, math.ceil(record_bytes / 8) * 8, dtype=torch.uint8)
-        self._meta = _shared(S, 6, dtype=torch.int64)
+        self._meta = _shared(S, 7, dtype=torch.int64)
         self._state = _shared(S, dtype=torch.int64)
         # a full lane blocks its producer
         self._free = [ctx.Semaphore(self.lane_slots) for _ in range(num_producers)]
@@ -192,9 +200,10 @@ class TrajectoryRing:
         for part in parts:
             record[offset:offset + len(part)] = part
             offset += len(part)
-        P, N = group.prompt_ids.shape[0], group.completion_ids.shape[1]
+        P, N, R = group.prompt_ids.shape[0], group.completion_ids.shape[1], group.turn_rewards.shape[1]
         # CLOCK_MONOTONIC is one clock for all processes, so publish times order groups across lanes.
-        self._meta_np[slot] = (P, N, group.prompt_index, group.group_id, group.worker_id, time.monotonic_ns())
+        self._meta_np[slot] = (P, N, group.prompt_index, group.group_id, group.worker_id, time.monotonic_ns(),
+                               R)
         self._state_np[slot] = READY
         self._ready.release()
         return True
@@ -210,11 +219,11 @@ class TrajectoryRing:
             if len(ready):
                 break
         slot = int(ready[self._meta_np[ready, PUBLISHED_NS].argmin()])
-        P, N, prompt_index, group_id, worker_id, _ = self._meta_np[slot].tolist()
+        P, N, prompt_index, group_id, worker_id, _, R = self._meta_np[slot].tolist()
         # A copy per field: one shared buffer would let any field kept alone (the replay buffer keeps prompts)
         # hold, and checkpoint, the whole group.
         record, offset, fields = self._records_np[slot], 0, {}
-        for (name, dtype), shape, size in zip(FIELDS, *_layout(P, self.group_size, N)):
+        for (name, dtype), shape, size in zip(FIELDS, *_layout(P, self.group_size, N, R)):
             data = record[offset:offset + size].view(NUMPY_DTYPES[dtype]).reshape(shape)
             fields[name] = torch.from_numpy(data.copy())
             offset += size
@@ -261,6 +270,10 @@ class TrajectoryRing:
         for name in ("completion_lens", "rewards", "truncated", "turns", "finish"):
             if getattr(group, name).shape != (K,):
                 raise ValueError(f"{name} must have shape [K={K}], got {tuple(getattr(group, name).shape)}")
+        R = group.turn_rewards.shape[-1]
+        if group.turn_rewards.dim() != 2 or group.turn_rewards.shape[0] != K or not 1 <= R <= MAX_TURNS:
+            raise ValueError(f"turn_rewards must be [K={K}, R] with 1 <= R <= MAX_TURNS={MAX_TURNS} "
+                             f"(buffer/ring.py), got {tuple(group.turn_rewards.shape)}")
         lens = group.completion_lens.tolist()  # K numbers: cheaper in Python than as tensor ops
         if min(lens) < 0 or max(lens) > N:
             raise ValueError(f"completion_lens must lie in [0, N={N}], got {lens}")

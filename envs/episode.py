@@ -43,6 +43,7 @@ class Episode:
     turn_ids: list[int] = field(default_factory=list)
     turns: int = 0  # policy turns taken
     reward: float = 0.0  # the sum of the environment's step rewards
+    turn_rewards: list[float] = field(default_factory=list)  # the step reward after each policy turn
     finish: str = ""  # one of FINISH_REASONS once ended
     masked: bool = False  # its finish is one of env.mask: kept out of the loss (rollout.to_group)
     # its environment could not be built or reset: it ends env_error after a first turn of one token
@@ -209,6 +210,7 @@ class Turns:
         if not math.isfinite(reward):
             raise ValueError(f"env.step gave the reward {reward}")  # one NaN would skip a whole batch
         episode.reward += reward
+        episode.turn_rewards.append(reward)  # one step per turn: the last turn may end with none
         info = self._counted(step.info)
         episode.success = bool(info.get("success", False))
         if step.done or step.observation is None:

@@ -339,9 +339,12 @@ class EnvConfig:
     mask: list[str] = field(default_factory=lambda: ["env_error", "env_timeout"])
 
     def check(self):
-        from buffer.ring import FINISH_REASONS
+        from buffer.ring import FINISH_REASONS, MAX_TURNS
 
         require(self.max_turns >= 1, "env.max_turns", "must be >= 1", self.max_turns)
+        require(self.max_turns <= MAX_TURNS, "env.max_turns",
+                f"must be <= {MAX_TURNS} (buffer/ring.py MAX_TURNS: the turn rewards a ring slot holds)",
+                self.max_turns)
         require(self.max_turn_tokens >= 1, "env.max_turn_tokens", "must be >= 1", self.max_turn_tokens)
         require(self.max_observation_tokens >= 8, "env.max_observation_tokens", "must be >= 8",
                 self.max_observation_tokens)

@@ -261,9 +261,9 @@ def test_bench_endpoint_compares_the_same_episodes_in_process_and_through_the_en
 
     from tests.helpers import ROOT
 
-    result = subprocess.run([sys.executable, "-m", "bench.endpoint", "--model", tiny_model_dir, "--groups", "1",
-                             "--group-size", "2", "--repeats", "1", "--dtype", "float32"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "bench.endpoint", "--model", tiny_model_dir, "--groups", "1",
+               "--group-size", "2", "--repeats", "1", "--dtype", "float32"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("endpoint_vs_inprocess=") and float(last.split("=")[1]) > 0

@@ -12,8 +12,22 @@ K, T = 3, 4
 LENGTHS = [4, 2, 3, 1, 4, 3, 2, 4, 1]  # completion lengths of rows 0.. (padding after)
 
 
+def turns_of(rewards):
+    """Row i's episode in min(1 + i % 3, its length) turns, its tokens spread over them in order, and its
+    reward split over its turns in the ratio 1 : 2 : 3: (turn_ids [n, T], turn_rewards [n, 3], turns [n])."""
+    n = len(rewards)
+    turns = [min(1 + i % 3, LENGTHS[i]) for i in range(n)]
+    ids = [[min(t * turns[i] // LENGTHS[i], turns[i] - 1) if t < LENGTHS[i] else 0 for t in range(T)]
+           for i in range(n)]
+    shares = [[(k + 1) / sum(range(1, turns[i] + 1)) if k < turns[i] else 0.0 for k in range(3)]
+              for i in range(n)]
+    return (torch.tensor(ids), torch.tensor([[r * w for w in row] for r, row in zip(rewards, shares)],
+                                            dtype=torch.float64), torch.tensor(turns))
+
+
 def make_mb(rewards, seed=0, step=0, **overrides):
-    """Groups of K=3 with padding; padded positions hold junk values that must not matter."""
+    """Groups of K=3 with padding; padded positions hold junk values that must not matter. Episodes of 1 to 3
+    turns (turns_of)."""
     g = torch.Generator().manual_seed(seed)
     n = len(rewards)
     rand = lambda: torch.randn(n, T, generator=g, dtype=torch.float64)  # noqa: E731
@@ -25,6 +39,7 @@ def make_mb(rewards, seed=0, step=0, **overrides):
                   rewards=torch.tensor(rewards, dtype=torch.float64), group_size=K, batch_sequences=n,
                   batch_tokens=int(mask.sum()), max_new_tokens=T, step=step,
                   ref_logprobs=behav + 0.3 * rand(), prox_logprobs=behav + 0.3 * rand())
+    fields.update(zip(("turn_ids", "turn_rewards", "turns"), turns_of(rewards)))
     fields.update(overrides)
     return MicroBatch(**fields)
 
@@ -53,7 +68,8 @@ def split(mb, groups):
     leaf = mb.logprobs.detach()[s].clone().requires_grad_(True)
     return dataclasses.replace(mb, logprobs=leaf, behav_logprobs=cut(mb.behav_logprobs), mask=cut(mb.mask),
                                rewards=cut(mb.rewards), ref_logprobs=cut(mb.ref_logprobs),
-                               prox_logprobs=cut(mb.prox_logprobs))
+                               prox_logprobs=cut(mb.prox_logprobs), turn_ids=cut(mb.turn_ids),
+                               turn_rewards=cut(mb.turn_rewards), turns=cut(mb.turns))
 
 
 def seq_sum(x, i):
@@ -513,6 +529,160 @@ def test_clip_fraction_counts_only_the_tokens_the_clip_cuts(name):
     assert zero_grad == set(low) | set(high)  # the counted tokens are those the clip stopped
 
 
+# ---- per-turn credit (turn_credit=return_to_go) ----
+
+# Two groups of K=3 episodes of 1 to 3 turns: (step rewards, tokens per turn as (sampled, observation)).
+EPISODES = [([1.0, 0.0, 2.0], [(2, 1), (1, 1), (2, 0)]), ([0.0, 3.0], [(1, 2), (2, 0)]), ([0.0], [(3, 0)]),
+            ([0.5], [(2, 0)]), ([0.2, 0.2, 0.0], [(1, 1), (1, 1), (1, 0)]), ([0.0, 0.1], [(1, 1), (2, 0)])]
+WIDTH = 8  # T of the batch: the longest episode is 7 tokens
+SAMPLED = sum(sampled for _, tokens in EPISODES for sampled, _ in tokens)  # the batch's tokens on the mask
+
+
+def multi_turn_mb(episodes=EPISODES, dtype=torch.float64, **overrides):
+    """A batch of episodes whose observation tokens are off the mask, logprobs equal to the behaviour's (every
+    ratio 1, so a token's gradient is its advantage over the rule's normaliser), rewards the step rewards'
+    sums."""
+    n = len(episodes)
+    mask, turn_ids = torch.zeros(n, WIDTH, dtype=dtype), torch.zeros(n, WIDTH, dtype=torch.long)
+    turn_rewards = torch.zeros(n, 3, dtype=dtype)
+    for i, (steps, tokens) in enumerate(episodes):
+        turn_rewards[i, :len(steps)] = torch.tensor(steps, dtype=dtype)
+        t = 0
+        for k, (sampled, observed) in enumerate(tokens):
+            mask[i, t:t + sampled] = 1
+            turn_ids[i, t:t + sampled + observed] = k
+            t += sampled + observed
+    behav = -1.0 - torch.rand(n, WIDTH, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    fields = dict(logprobs=behav.clone().requires_grad_(True), behav_logprobs=behav, mask=mask,
+                  rewards=turn_rewards.sum(1), group_size=K, batch_sequences=n, batch_tokens=int(mask.sum()),
+                  max_new_tokens=WIDTH, step=0, prox_logprobs=behav.clone(), turn_ids=turn_ids,
+                  turn_rewards=turn_rewards, turns=torch.tensor([len(steps) for steps, _ in episodes]))
+    fields.update(overrides)
+    return MicroBatch(**fields)
+
+
+def return_to_go_reference(episodes, gamma, scale):
+    """Each turn's advantage with plain loops: its discounted return-to-go minus the group's mean episode
+    return, over the group's std of episode returns; 0 in a group whose returns tie."""
+    out = []
+    for g in range(len(episodes) // K):
+        steps = [s for s, _ in episodes[g * K:(g + 1) * K]]
+        togo = [[sum(gamma ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))]
+                for r in steps]
+        first = [G[0] for G in togo]
+        mean = sum(first) / K
+        std = math.sqrt(sum((x - mean) ** 2 for x in first) / (K - 1))
+        tied = max(first) - min(first) < 1e-9
+        out += [[0.0 if tied else (x - mean) / (std + 1e-4 if scale else 1.0) for x in G] for G in togo]
+    return out
+
+
+def token_advantages(mb, grad, divisor):
+    """The advantage each masked-in token was weighted with, read off its gradient at ratio 1: -A / divisor
+    (divisor [n] or a number); per episode, per turn, the set of values its tokens got."""
+    lengths = mb.mask.sum(1).tolist()
+    out = []
+    for i in range(len(grad)):
+        d = divisor(i, lengths[i]) if callable(divisor) else divisor
+        per_turn = {}
+        for t in range(WIDTH):
+            if mb.mask[i, t]:
+                per_turn.setdefault(int(mb.turn_ids[i, t]), set()).add(round(-grad[i][t] * d, 9))
+        out.append([sorted(per_turn[k]) for k in sorted(per_turn)])
+    return out
+
+
+def test_return_to_go_by_hand():
+    """Group 0, Dr. GRPO (no std): returns-to-go [3, 2, 2], [3, 3], [0] against the mean return 2, and with
+    gamma = 0.5 [1.5, 1, 2], [1.5, 3], [0] against 1. Group 1 with the std, against the loop reference."""
+    for gamma, want in ((1.0, [[1, 0, 0], [1, 1], [-2]]), (0.5, [[0.5, 0, 1], [0.5, 2], [-1]])):
+        per_turn = algos.turn_advantages(multi_turn_mb().turn_rewards, K, gamma, scale=False)
+        for i, row in enumerate(want):
+            assert per_turn[i, :len(row)].tolist() == pytest.approx(row, abs=1e-12)
+    scaled = algos.turn_advantages(multi_turn_mb().turn_rewards, K, 1.0, scale=True)
+    reference = return_to_go_reference(EPISODES, 1.0, scale=True)
+    for i in range(K, 2 * K):
+        assert scaled[i, :len(reference[i])].tolist() == pytest.approx(reference[i], rel=1e-12)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+@pytest.mark.parametrize("name,cfg,divisor", [
+    ("grpo", {}, lambda i, length: length * 6), ("grpo", {"dr_grpo": True}, WIDTH * 6),
+    ("grpo", {"token_mean": True}, SAMPLED), ("ppo", {"decoupled": False}, SAMPLED),
+    ("ppo", {"scale_std": False}, SAMPLED), ("cispo", {}, SAMPLED)])
+def test_each_token_is_weighted_by_its_turn_s_advantage(name, cfg, divisor, gamma):
+    """grpo, ppo and cispo with turn_credit=return_to_go: every sampled token of turn k carries A_ik (the loop
+    reference), observation tokens carry nothing; at ratio 1 a token's gradient is -A over the rule's
+    normaliser (grpo: the episode's tokens x n, or max_new_tokens x n; else the batch's tokens)."""
+    mb = multi_turn_mb()
+    scale = not cfg.get("dr_grpo", False) and cfg.get("scale_std", True)
+    _, grad, metrics = run(algos.get(name), mb, turn_credit="return_to_go", turn_gamma=gamma, **cfg)
+    want = return_to_go_reference(EPISODES, gamma, scale)
+    got = token_advantages(mb, grad, divisor)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert [values[0] for values in g] == pytest.approx(w, rel=1e-6, abs=1e-9), i
+        assert all(len(values) == 1 for values in g), i  # one advantage per turn
+    assert all(grad[i][t] == 0.0 for i in range(len(grad)) for t in range(WIDTH) if not mb.mask[i, t])
+    tokens = [w[int(mb.turn_ids[i, t])] for i, w in enumerate(want) for t in range(WIDTH) if mb.mask[i, t]]
+    assert metrics[f"{name}/turn_adv_abs_mean"] == pytest.approx(sum(map(abs, tokens)) / len(tokens))
+    assert metrics[f"{name}/adv_abs_mean"] == pytest.approx(sum(abs(w[0]) for w in want) / len(want))
+
+
+@pytest.mark.parametrize("name,cfg", [("grpo", {}), ("grpo", {"dr_grpo": True}), ("dapo", {}),
+                                      ("ppo", {}), ("ppo", {"scale_std": False}), ("cispo", {})])
+def test_turn_credit_none_reads_no_turn_and_one_turn_episodes_get_the_sequence_advantage(name, cfg):
+    """turn_credit=none on a multi-turn batch: the same loss, gradient and metrics, bit for bit, whatever the
+    turn fields hold (garbage here) or without them; return_to_go on one-turn episodes (a one-shot task) is
+    the sequence-level rule bit for bit, whatever turn_gamma."""
+    module = algos.get(name)
+    results = []
+    for turns in (dict(turn_rewards=torch.rand(6, 3, dtype=torch.float64) * 9), dict(turn_ids=None,
+                  turn_rewards=None, turns=None), {}):
+        mb = make_mb(REWARDS, seed=2, **turns)
+        results.append(run(module, mb, **cfg))
+    assert results[0] == results[1] == results[2]
+    one_turn = dict(turn_ids=torch.zeros(6, T, dtype=torch.long), turns=torch.ones(6, dtype=torch.long),
+                    turn_rewards=torch.tensor(REWARDS, dtype=torch.float64)[:, None])
+    for gamma in (1.0, 0.3):
+        loss, grad, metrics = run(module, make_mb(REWARDS, seed=2, **one_turn), turn_credit="return_to_go",
+                                  turn_gamma=gamma, **cfg)
+        assert (loss, grad) == results[0][:2]
+        assert {k: v for k, v in metrics.items() if "turn_adv" not in k} == results[0][2]
+
+
+def test_a_group_whose_returns_tie_learns_nothing_from_when_its_rewards_came():
+    """Returns that tie (1.0 every time, rewards at different turns, their float32 sums 1 ulp apart as the
+    record's rewards are not) leave nothing to compare: A = 0 at every turn, not offsets divided by the 1e-4
+    of a (near) zero std. The trainer may then leave such a group out unless a discount can untie returns."""
+    steps = [[0.1, 0.2, 0.7], [0.2, 0.35, 0.45], [1.0]]
+    episodes = [(s, [(1, 0)] * len(s)) for s in steps] + EPISODES[3:]
+    mb = multi_turn_mb(episodes, dtype=torch.float32)
+    returns = torch.zeros(K)
+    for k in reversed(range(3)):  # G_i0 as the rule sums them, last turn first, in float32
+        returns = mb.turn_rewards[:K, k] + returns
+    assert returns.unique().numel() > 1
+    assert mb.rewards.new_tensor([sum(s) for s in steps]).unique().numel() == 1  # the record's rewards tie
+    _, grad, _ = run(algos.get("grpo"), mb, turn_credit="return_to_go")
+    assert not any(v for row in grad[:K] for v in row) and any(v for row in grad[K:] for v in row)
+    for name in ("grpo", "ppo", "cispo"):
+        module = algos.get(name)
+        learns = [module.Loss(module.Config(**cfg)).tied_groups_learn_nothing for cfg in (
+            {}, {"turn_credit": "return_to_go"}, {"turn_credit": "return_to_go", "turn_gamma": 0.9})]
+        assert learns == [True, True, False], name
+
+
+def test_dapo_s_length_penalty_joins_the_last_turn_s_reward():
+    """With rewards on the last turn and gamma = 1, return_to_go with DAPO's overlong penalty is the
+    sequence-level rule with it: the penalty is part of every turn's return-to-go."""
+    steps = [[0.0, 1.0], [0.0, 0.0, 0.5], [2.0], [0.0, 0.3], [1.0], [0.0, 0.0, 0.0]]
+    episodes = [(s, [(1, 1)] * (len(s) - 1) + [(WIDTH - 2 * len(s) + 2, 0)]) for s in steps]
+    mb = multi_turn_mb(episodes)  # every episode runs to max_new_tokens: the full penalty
+    base, _, base_metrics = run(algos.get("dapo"), multi_turn_mb(episodes))
+    loss, _, metrics = run(algos.get("dapo"), mb, turn_credit="return_to_go")
+    assert metrics["dapo/overlong_penalty_mean"] < 0 and loss == pytest.approx(base, rel=1e-12)
+    assert metrics["dapo/turn_adv_abs_mean"] != base_metrics["dapo/adv_abs_mean"]  # tokens, not episodes
+
+
 # ---- every rule ----
 
 ALL = [("grpo", {}), ("tb", {}), ("ppo", {}), ("ppo", {"decoupled": False}), ("rloo", {"kl_coef": 0.1}),
@@ -520,7 +690,10 @@ ALL = [("grpo", {}), ("tb", {}), ("ppo", {}), ("ppo", {"decoupled": False}), ("r
        ("ppo", {"correction": "mis_seq"}), ("rloo", {"correction": "mis_token"}), ("dapo", {}),
        ("grpo", {"dual_clip": 3.0, "token_mean": True}), ("ppo", {"dual_clip": 3.0}), ("gspo", {}),
        ("gspo", {"clip_eps": 0.05, "clip_eps_high": 0.08}), ("gspo", {"correction": "tis"}), ("cispo", {}),
-       ("cispo", {"clip_eps": 0.2, "clip_eps_high": 0.2}), ("cispo", {"correction": "mis_token"})]
+       ("cispo", {"clip_eps": 0.2, "clip_eps_high": 0.2}), ("cispo", {"correction": "mis_token"}),
+       ("grpo", {"turn_credit": "return_to_go"}), ("cispo", {"turn_credit": "return_to_go"}),
+       ("dapo", {"turn_credit": "return_to_go", "turn_gamma": 0.9}),
+       ("ppo", {"turn_credit": "return_to_go", "turn_gamma": 0.5})]
 
 
 @pytest.mark.parametrize("name,cfg", ALL)
@@ -585,7 +758,8 @@ BAD = [("grpo", "clip_eps", 1.5), ("grpo", "clip_eps_high", 0.0),
        ("ppo", "clip_eps", 0.0), ("ppo", "clip_eps_high", -0.1), ("ppo", "behav_weight_cap", 0.5),
        ("rloo", "kl_coef", -0.1), ("grpo", "correction", "is"), ("rloo", "tis_cap", 0.0),
        ("ppo", "mis_low", 1.0), ("ppo", "mis_high", 0.9),
-       ("online_dpo", "beta", 0.0), ("online_dpo", "loss_type", "hinge")]
+       ("online_dpo", "beta", 0.0), ("online_dpo", "loss_type", "hinge"), ("grpo", "turn_credit", "per_turn"),
+       ("dapo", "turn_gamma", 1.5), ("ppo", "turn_gamma", -0.1), ("cispo", "turn_credit", "gae")]
 
 
 @pytest.mark.parametrize("name,key,value", BAD)

@@ -57,7 +57,7 @@ def test_each_process_entry_takes_one_argument_object():
 
 
 SCHEMA = ("Config", "ClusterConfig", "TrainConfig", "RolloutConfig", "BufferConfig", "EvalConfig")
-RECORDS = ("MicroBatch", "Group", "Batch", "Episode")
+RECORDS = ("MicroBatch", "Group", "Batch", "Episode", "Completion")  # records: one field per thing recorded
 
 
 def _parameters(node: ast.FunctionDef) -> int:

@@ -219,6 +219,77 @@ def test_the_trainer_batch_reads_the_record_mask():
     assert batch.groups(0, 1).targets.shape[1] == 5  # trimmed by lengths, not by the mask
 
 
+class Paying(Echo):
+    """Pays 0.1 x the step's number after every turn but the last, and 1.0 when done."""
+
+    def step(self, action):
+        step = super().step(action)
+        return step if step.done else Step(step.observation, 0.1 * self.taken, info=step.info)
+
+
+def test_each_turn_s_step_reward_goes_from_its_episode_through_the_ring_into_the_trainer_s_batch(tokenizer):
+    """Episodes of 1, 2 and 3 turns keep the step reward after each turn (their sum is the episode's reward);
+    the group carries them through the ring and pack() into the batch beside each token's turn, with the
+    episode's turns, and the rules read them there; a one-shot completion and an agent episode (no steps)
+    hold their one reward on their last turn."""
+    from buffer.ring import TrajectoryRing
+    from envs.episode import Episode
+    from trainer.batch import pack
+
+    made = iter([0, 1, 2, 3])  # the first environment only gives the prompt's messages (Task.messages)
+    engine = ScriptEngine(tokenizer, lambda key, turn: ("4", True))
+    turns = make_turns(tokenizer, engine, lambda: Paying(turns=next(made)))
+    episodes = drive(turns, engine, n=3)
+    turns.close()
+    assert [e.turn_rewards for e in episodes] == [[1.0], [0.1, 1.0], [0.1, 0.2, 1.0]]
+    assert [e.reward for e in episodes] == [sum(e.turn_rewards) for e in episodes]
+    stepped = to_group(episodes, [e.reward for e in episodes], 0, 0, 0)
+    want = torch.tensor([[1.0, 0.0, 0.0], [0.1, 1.0, 0.0], [0.1, 0.2, 1.0]])
+    assert torch.equal(stepped.turn_rewards, want)
+
+    def record(turn_ids, turns):
+        n = len(turn_ids)
+        return Episode(0, [5], None, 0.0, [], token_ids=[7] * n, logprobs=[-1.0] * n, versions=[0] * n,
+                       mask=[t >= 0 for t in turn_ids], turn_ids=[max(t, 0) for t in turn_ids], turns=turns,
+                       finish="done")
+
+    # a one-shot completion, an agent episode of two replies (the request between them: mask 0), one that
+    # asked nothing (its filler token)
+    unstepped = to_group([record([0, 0], 1), record([0, -1, 1, 1], 2), record([-1], 0)], [0.5, 2.0, 0.0],
+                         1, 1, 0)
+    assert unstepped.turn_rewards.tolist() == [[0.5, 0.0], [0.0, 2.0], [0.0, 0.0]]
+    ring = TrajectoryRing(2, 3, 64, 256)
+    groups = []
+    for group in (stepped, unstepped):
+        assert ring.put(group, timeout=1)
+        groups.append(ring.get(timeout=1))
+        assert torch.equal(groups[-1].turn_rewards, group.turn_rewards)
+    batch = pack(groups)
+    unstepped_rows = torch.tensor([[0.5, 0, 0], [0, 2, 0], [0, 0, 0]])
+    assert torch.equal(batch.turn_rewards, torch.cat([want, unstepped_rows]))
+    assert batch.turns.tolist() == [1, 2, 3, 1, 2, 0]
+    for seq, (g, i) in enumerate((g, i) for g in groups for i in range(3)):
+        n = int(g.completion_lens[i])
+        assert torch.equal(batch.turn_ids[seq, :n], g.turn_ids[i, :n]) and not batch.turn_ids[seq, n:].any()
+    third = batch.turn_ids[2][batch.mask[2] > 0]
+    assert third.unique().tolist() == [0, 1, 2]  # each of its turns' sampled tokens, in order
+    assert third.tolist() == sorted(third.tolist())
+    for part, rows in ((batch.groups(1, 2), [3, 4, 5]), (batch.take([1, 0]), [3, 4, 5, 0, 1, 2])):
+        assert torch.equal(part.turn_rewards, batch.turn_rewards[rows])
+        assert torch.equal(part.turns, batch.turns[rows])
+        assert torch.equal(part.turn_ids, batch.turn_ids[rows, :part.targets.shape[1]])
+    grpo = algos.get("grpo")
+    mb = algos.MicroBatch(logprobs=batch.behav_logprobs.clone().requires_grad_(),
+                          behav_logprobs=batch.behav_logprobs, mask=batch.mask, rewards=batch.rewards,
+                          group_size=3, batch_sequences=6, batch_tokens=int(batch.mask.sum()),
+                          max_new_tokens=256, step=0, turn_ids=batch.turn_ids,
+                          turn_rewards=batch.turn_rewards, turns=batch.turns)
+    loss, metrics = grpo.Loss(grpo.Config(turn_credit="return_to_go"))(mb)
+    loss.backward()
+    assert metrics["grpo/turn_adv_abs_mean"] > 0
+    assert mb.logprobs.grad[2][batch.mask[2] > 0].unique().numel() == 3  # one advantage a turn
+
+
 def test_a_weight_update_mid_episode_gives_later_turns_the_new_version(tiny_model_dir, tokenizer):
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = BuiltinEngine(model, max_batch=4, max_len=512)
@@ -590,13 +661,16 @@ def test_calc_tool_model_mistakes_are_answered_and_counted(tokenizer):
         turns.close()
 
 
-@pytest.mark.parametrize("task", ["guess_number", "calc_tool"])
+@pytest.mark.parametrize("task,credit", [("guess_number", []), ("calc_tool", []),
+                                         ("guess_number", ["algo=grpo", "algo.turn_credit=return_to_go"])])
 def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environment(tiny_model_dir, tmp_path,
-                                                                                    task):
+                                                                                    task, credit):
     """train.py on a multi-turn task: every step logged with its episode metrics, staleness within the bound
     with a weight update possible mid-episode, the test split evaluated as episodes, and the records' masks
-    honoured (the run trains on policy tokens only: train.tokens counts more than the loss does)."""
+    honoured (the run trains on policy tokens only: train.tokens counts more than the loss does). With
+    algo.turn_credit=return_to_go (grpo; later turns discounted), its per-turn advantages are logged."""
     import json
+    import math
 
     from tests.helpers import TINY, run_train
 
@@ -604,11 +678,16 @@ def test_a_multi_turn_task_trains_end_to_end_asynchronously_with_a_slow_environm
     result = run_train(tmp_path, f"model.path={tiny_model_dir}", f"task={task}", "steps=3", "max_staleness=1",
                        "env.latency_s=0.05", "env.max_turns=3", "env.max_turn_tokens=6",
                        "rollout.max_new_tokens=96", "eval.k=1", "eval.max_examples=4",
-                       "checkpoint.at_end=false", *overrides)
+                       "checkpoint.at_end=false", *credit, *(["algo.turn_gamma=0.9"] if credit else []),
+                       *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
+        assert ("grpo/turn_adv_abs_mean" in row) == bool(credit)
+        # a discount can untie a group whose rewards tie: none is left out of the passes then
+        assert row["train/tied_groups_skipped"] == 0 or not credit
+        assert math.isfinite(row.get("grpo/turn_adv_abs_mean", 0.0)) and math.isfinite(row["loss"])
         assert row["staleness_max"] <= 1
         assert 1 <= row["episode/turns_mean"] <= 3 and row["episode/policy_tokens"] > 0
         assert abs(sum(row[f"episode/finish_{r}"] for r in FINISH_REASONS) - 1) < 1e-6

@@ -270,3 +270,26 @@ def test_tba_recent_draws_are_the_newest_groups_at_max_staleness_4(recent_prob):
         buf.expire_fresh(version, eta)
     assert len(recent_lags) > 80 and set(recent_lags) == {0}
     assert buf.stats()["buffer/expired"] > 0  # the unserved backlog grew too old, and is counted
+
+
+def test_a_replayed_completion_keeps_its_turns_rewards_and_an_older_history_its_reward_on_its_last_turn():
+    buf = _buffer("tba", recent_prob=0.0, seed=6)
+    group = make_group(0, [[1, 2], [3], [4, 5, 6]], rewards=[1.5, 0.0, 0.25])
+    group.turns = torch.tensor([2, 1, 3])
+    group.turn_rewards = torch.tensor([[0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.25]])
+    buf.add(group, version=0)
+    state = buf.state_dict()
+    for stored in state["history"][0]:
+        del stored["turn_rewards"]  # a checkpoint from before turn rewards were kept
+    old = _buffer("tba", recent_prob=0.0, seed=6)
+    old.load_state_dict(state)
+    source = rows(group)
+    for g in buf.sample(5, version=0):  # the three completions, in some order, each with its turns' rewards
+        assert g.turn_rewards.shape == (3, 3)
+        for i, c in enumerate(rows(g)):
+            assert torch.equal(g.turn_rewards[i], group.turn_rewards[source.index(c)])
+    for g in old.sample(5, version=0):
+        for i, c in enumerate(rows(g)):
+            j = source.index(c)
+            assert g.turn_rewards[i].tolist() == [float(group.rewards[j]) if k == group.turns[j] - 1 else 0.0
+                                                  for k in range(3)]

@@ -10,17 +10,21 @@ import torch
 import torch.multiprocessing as mp
 
 import buffer.ring
-from buffer.ring import WRITING, Group, TrajectoryRing
+from buffer.ring import MAX_TURNS, WRITING, Group, TrajectoryRing
 from engines.weights import WeightStore
+from runtime.schema import EnvConfig
 
 K, MAX_PROMPT, MAX_NEW = 4, 12, 16
 
 
-def make_group(group_id: int, worker_id: int, k: int = K, prompt_len=None, width=None) -> Group:
-    """Contents are a pure function of group_id, so the consumer can rebuild what it should have received."""
+def make_group(group_id: int, worker_id: int, k: int = K, prompt_len=None, width=None, turns=None) -> Group:
+    """Contents are a pure function of group_id, so the consumer can rebuild what it should have received:
+    episodes of up to 1 + group_id % 5 turns, each turn's step reward its own."""
     gen = torch.Generator().manual_seed(group_id)
     P = prompt_len or 1 + group_id % MAX_PROMPT
     N = width or 1 + (group_id * 7) % MAX_NEW
+    R = turns or 1 + group_id % 5
+    taken = torch.randint(1, R + 1, (k,), generator=gen)
     lens = torch.randint(1, N + 1, (k,), generator=gen)
     valid = torch.arange(N) < lens[:, None]
     return Group(
@@ -32,12 +36,13 @@ def make_group(group_id: int, worker_id: int, k: int = K, prompt_len=None, width
         rewards=torch.randn(k, generator=gen),
         truncated=lens == N,
         prompt_index=group_id % 97, group_id=group_id, worker_id=worker_id,
+        turns=taken, turn_rewards=torch.randn(k, R, generator=gen) * (torch.arange(R) < taken[:, None]),
     )
 
 
 def assert_same(got: Group, want: Group):
     for name in ("prompt_ids", "completion_ids", "completion_lens", "logprobs", "versions", "rewards",
-                 "truncated"):
+                 "truncated", "turns", "turn_rewards"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, got.group_id)
         assert a.untyped_storage().nbytes() == a.nbytes, f"{name} is not its own copy: keeping it keeps more"
@@ -99,9 +104,30 @@ def test_oversize_groups_are_rejected():
         ring.put(make_group(1, 0, k=K + 1))
     with pytest.raises(ValueError, match="num_producers=1"):
         ring.put(make_group(1, 1))
+    with pytest.raises(ValueError, match=r"turn_rewards must be \[K=4, R\] with 1 <= R <= MAX_TURNS=64"):
+        ring.put(make_group(1, 0, turns=MAX_TURNS + 1))
+    with pytest.raises(ValueError, match="config key 'env.max_turns' must be <= 64"):
+        EnvConfig(max_turns=MAX_TURNS + 1).check()
     assert len(ring) == 0
     # exactly at the limits
-    assert ring.put(make_group(1, 0, prompt_len=MAX_PROMPT, width=MAX_NEW), timeout=1)
+    assert ring.put(make_group(1, 0, prompt_len=MAX_PROMPT, width=MAX_NEW, turns=MAX_TURNS), timeout=1)
+    assert_same(ring.get(timeout=1), make_group(1, 0, prompt_len=MAX_PROMPT, width=MAX_NEW, turns=MAX_TURNS))
+
+
+def test_each_turn_s_reward_survives_the_ring_and_a_one_shot_group_holds_its_reward_on_its_one_turn():
+    ring = TrajectoryRing(num_slots=4, group_size=K, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW)
+    for turns in (3, 1, 5):  # a slot's record shrinks and grows with the group's turns
+        ring.put(make_group(10 + turns, 0, turns=turns), timeout=1)
+        got = ring.get(timeout=1)
+        assert got.turn_rewards.shape == (K, turns) and (got.turn_rewards[:, 1:] != 0).any() == (turns > 1)
+        assert_same(got, make_group(10 + turns, 0, turns=turns))
+    one_shot = make_group(3, 0)
+    one_shot.turns, one_shot.turn_rewards = None, None
+    one_shot.__post_init__()
+    assert one_shot.turns.tolist() == [1] * K
+    assert torch.equal(one_shot.turn_rewards, one_shot.rewards[:, None])
+    assert ring.put(one_shot, timeout=1)
+    assert torch.equal(ring.get(timeout=1).turn_rewards, one_shot.turn_rewards)
 
 
 def test_min_version_ignores_padding():

@@ -26,6 +26,9 @@ class Batch:
     versions: torch.Tensor  # [G * K, T] policy version that sampled each token (-1 where mask is 0)
     rewards: torch.Tensor  # [G * K]
     lens: torch.Tensor  # [G * K] completion tokens, sampled or not
+    turn_ids: torch.Tensor  # [G * K, T] the policy turn each token belongs to (its observation: its turn's)
+    turn_rewards: torch.Tensor  # [G * K, R] float, each turn's step reward (0 past an episode's turns)
+    turns: torch.Tensor  # [G * K] policy turns of each episode
     group_size: int
 
     @property
@@ -56,7 +59,8 @@ class Batch:
         gather = self.gather[rows].view(-1, k, steps)[:, :, :t].reshape(count, k * t)
         return Batch(self.input_ids[rows, :length], self.position_ids[rows, :length], seg[:, :length],
                      gather, self.targets[seqs, :t], self.mask[seqs, :t], self.behav_logprobs[seqs, :t],
-                     self.versions[seqs, :t], self.rewards[seqs], self.lens[seqs], k)
+                     self.versions[seqs, :t], self.rewards[seqs], self.lens[seqs], self.turn_ids[seqs, :t],
+                     self.turn_rewards[seqs], self.turns[seqs], k)
 
     def untied(self, multiple: int) -> list[int]:
         """The groups whose K rewards do not all tie, in order, topped up with the first tied ones to a
@@ -97,11 +101,15 @@ def pack(groups: list) -> Batch:
     behav = torch.zeros(count * k, steps)
     versions = torch.zeros(count * k, steps, dtype=torch.long)
     rewards = torch.zeros(count * k)
+    turn_ids = torch.zeros(count * k, steps, dtype=torch.long)
+    turn_rewards = torch.zeros(count * k, max(g.turn_rewards.shape[1] for g in groups))
+    turns = torch.cat([g.turns for g in groups])
     for row, (g, n) in enumerate(zip(groups, lens)):
         p = len(g.prompt_ids)
         input_ids[row, :p] = g.prompt_ids
         position_ids[row, :p] = torch.arange(p)
         segments[row, :p] = 0
+        turn_rewards[row * k:(row + 1) * k, :g.turn_rewards.shape[1]] = g.turn_rewards
         offset = p
         for i in range(k):
             c, seq = n[i], row * k + i
@@ -119,9 +127,11 @@ def pack(groups: list) -> Batch:
             behav[seq, :c] = torch.where(sampled, g.logprobs[i, :c], 0.0)
             versions[seq, :c] = torch.where(sampled, g.versions[i, :c], -1)
             rewards[seq] = g.rewards[i]
+            turn_ids[seq, :c] = g.turn_ids[i, :c]
             offset += c
     return Batch(input_ids, position_ids, segments, gather.view(count, k * steps), targets, mask, behav,
-                 versions, rewards, torch.tensor([n for row in lens for n in row]), k)
+                 versions, rewards, torch.tensor([n for row in lens for n in row]), turn_ids, turn_rewards,
+                 turns, k)
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,8 @@ class Learner:
                 logprobs=logprobs, behav_logprobs=mb.behav_logprobs, mask=mb.mask, rewards=mb.rewards,
                 group_size=mb.group_size, batch_sequences=totals[0], batch_tokens=totals[1],
                 max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
-                ref_logprobs=ref, prox_logprobs=mb_prox))
+                ref_logprobs=ref, prox_logprobs=mb_prox, turn_ids=mb.turn_ids, turn_rewards=mb.turn_rewards,
+                turns=mb.turns))
             if coef:  # - coef x the minibatch's token-mean entropy (its tokens: the loss's own denominator)
                 term = -coef * (entropy * mb.mask).sum() / totals[1]
                 loss = loss + term
