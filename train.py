@@ -204,8 +204,9 @@ def run(cfg, plan, model_path: str, run_dir: str, resume: dict | None, config: d
             from launch.agent import NodeRun
 
             engine = plan.engine(0, slots, max_prompt_len + rollout.max_new_tokens, rollout.dtype)
-            nodes.start(NodeRun(lanes, cfg, setup, plan, engine, evaluator, lane_slots(cfg.max_staleness,
-                                cfg.train.batch_groups), max_prompt_len, os.path.join(run_dir, "stacks")),
+            nodes.start(NodeRun(lanes, cfg, setup, plan, engine, evaluator,
+                                lane_slots(cfg.max_staleness, cfg.train.batch_groups), max_prompt_len,
+                                os.path.join(run_dir, "stacks"), slots),
                         shared, slots, resume["next_group"] if resume else {})
         plan.wait_for_engines(shared.weights, sup)
         for r in range(plan.trainer_ranks):

@@ -109,6 +109,14 @@ class StalenessGate:
                 raise ValueError(f"cannot cancel {n} groups: only {self.started} were started")
             self._counts[STARTED] -= n
 
+    def count_started(self, n: int) -> None:
+        """n groups were started outside this gate's say and will be delivered after all (cluster=ray: a
+        generator node fenced for missing its deadline, whose lease was handed back, answered again with
+        them): counted, so the budget stays exact. The count may pass the bound for a while; no group
+        starts until it is back under."""
+        with self._lock:
+            self._counts[STARTED] += n
+
     def set_version(self, version: int) -> None:
         """Called by the trainer (the only writer of the version) once a batch's weights are published."""
         self._counts[VERSION] = version
@@ -160,6 +168,14 @@ class LeaseGate(StalenessGate):
     def grant(self, n: int) -> None:
         with self._lock:
             self._counts[GRANTED] += n
+
+    def revoke(self) -> int:
+        """Take back every leased start not used yet (a node being drained, or one that was fenced and whose
+        lease the trainer node already handed back); how many."""
+        with self._lock:
+            started, granted = self._counts.tolist()
+            self._counts[GRANTED] = started
+            return granted - started
 
     def set_version(self, version: int) -> None:
         raise AttributeError("only the trainer node's gate follows the version")

@@ -92,6 +92,11 @@ class WeightStore:
 
         return publish
 
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view into the shared buffers) for every weight: what a generator node on the GPU plan
+        ships on to its engines once a version has arrived (cluster=ray, launch/agent.py)."""
+        return [(name, self._view(name)) for name in self._layout]
+
     def _view(self, name: str) -> torch.Tensor:
         dtype, offset, shape = self._layout[name]
         return self._buffers[dtype][offset: offset + shape.numel()].view(shape)
@@ -113,8 +118,11 @@ class WeightStore:
     @contextmanager
     def writing(self, version: int):
         """Write the buffers (`buffers()`) in the body; readers see `version` once it ends. Single writer
-        only."""
-        self._header[SEQ] += 1  # odd: a publish is in progress
+        only. A body that raises (a generator node's receive cut off part way, cluster=ray) leaves the store
+        marked as being written: its buffers may hold parts of two versions, so readers wait until a later
+        write completes."""
+        if int(self._header[SEQ]) % 2 == 0:
+            self._header[SEQ] += 1  # odd: a publish is in progress (still odd after one that failed)
         yield
         self._header[VERSION] = version
         self._header[SEQ] += 1  # even again: the snapshot is complete

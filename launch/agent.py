@@ -3,13 +3,16 @@ as train.py runs them on one machine (a supervisor, a local ring, a weight store
 and answers the trainer node's calls (launch/ray_nodes.py):
 
     agent.exchange(grant, room)     # starts leased from the trainer's gate in; up to `room` finished
-                                      groups out
-    agent.receive_weights(version)  # this node's part of the trainer node's gloo broadcast, into its store
-    agent.stop()                    # the run is over: the workers stop and the supervisor shuts them down
+                                      groups out (revoke=True first takes back the unused lease)
+    agent.join_weights(...)         # the gloo pair of this node and the trainer node, for its weights
+    agent.receive_weights(version)  # the trainer node's push of `version` over that pair, into its store
+    agent.stop()                    # the run is over (or the node drained): the workers stop, and the
+                                      supervisor shuts them down
 
-Nothing here imports Ray: the trainer node makes this class an actor. Its rollout workers keep their global
-ids (lanes of the trainer node's ring, group ids), and start groups only out of the starts the trainer node
-leased to this node (buffer/staleness.py LeaseGate), so the staleness bound stays exact across nodes.
+Nothing here imports Ray: the trainer node makes this class an actor, whose calls run in threads (an exchange
+never waits behind a weight push). Its rollout workers keep their global ids (lanes of the trainer node's
+ring, group ids), and start groups only out of the starts the trainer node leased to this node
+(buffer/staleness.py LeaseGate), so the staleness bound stays exact across nodes.
 """
 import sys
 import threading
@@ -37,6 +40,7 @@ class NodeRun:
     lane_slots: int  # ring slots per worker, as on the trainer node
     max_prompt_len: int
     stacks_dir: str  # where stuck workers' stacks go (on the node)
+    engine_slots: int  # sequences one worker's engine holds (a GPU node builds its engines' specs from it)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class NodeArgs:
     first_groups: tuple[int, ...]
     threads: int  # torch threads per rollout worker
     run: NodeRun
+    gpus: int = 0  # the node's GPUs: > 0 runs the GPU plan's generation on them
     counters: torch.Tensor | None = None  # its workers' counters so far (a restarted agent goes on from them)
 
 
@@ -58,6 +63,7 @@ class Exchange:
     counters: torch.Tensor  # its workers' rows of runtime.shared.WorkerCounters
     unused: int  # leased starts not used yet
     error: str | None  # the supervisor's one-line failure, once the node's workers cannot go on
+    revoked: int = 0  # unused leased starts taken back (revoke=True)
 
 
 class GeneratorAgent:
@@ -75,16 +81,33 @@ class GeneratorAgent:
                                                                  c.start_timeout_s))
         ring = TrajectoryRing(run.workers * run.lane_slots, cfg.rollout.group_size, run.max_prompt_len,
                               cfg.rollout.max_new_tokens, num_producers=run.workers)
-        self.shared = Shared(ring=ring, gate=LeaseGate(), weights=run.plan.weights(
-            facts.meta_model(run.setup.model_path), cfg.rollout.dtype), counters=WorkerCounters(run.workers),
-            stop=self.sup.stop, finish=self.sup.finished, hearts=hearts)
+        meta = facts.meta_model(run.setup.model_path)
+        # the store the trainer node's pushes arrive in, laid out as the trainer node's own
+        self.received = run.plan.weights(meta, cfg.rollout.dtype)
+        engines, weights = [run.engine] * len(args.worker_ids), self.received
+        self.publish, max_restarts = None, c.max_restarts
+        if args.gpus:  # the GPU plan's generation: each version goes on to the engines in buckets
+            plan, weights, self.publish = gpu_generation(cfg, args.gpus, meta, list(args.worker_ids),
+                                                         self.sup.stop)
+            max_len = run.max_prompt_len + cfg.rollout.max_new_tokens
+            engines = [plan.engine(i, run.engine_slots, max_len, plan.engine_dtype)
+                       for i in range(len(args.worker_ids))]
+            max_restarts = plan.max_restarts
+            layout = plan.layout
+            print(f"note: generator node {args.node} runs the GPU plan's generation: {layout.num_engines} "
+                  f"{plan.engine_kind} engine(s) on {cfg.cluster.device} ({layout.describe().split(';')[0]})",
+                  file=sys.stderr)
+        self.shared = Shared(ring=ring, gate=LeaseGate(), weights=weights,
+                             counters=WorkerCounters(run.workers), stop=self.sup.stop,
+                             finish=self.sup.finished, hearts=hearts)
         if args.counters is not None:
             self.shared.counters.set_rows(list(args.worker_ids), args.counters)
         self.error: str | None = None
-        self.group = None  # the gloo group of the weight broadcast
+        self.pair = None  # the gloo pair (the trainer node rank 0, this node rank 1) its weights come over
 
         def start(w: int, first_group: int) -> None:
-            worker = RolloutArgs(w, run.workers, cfg, run.setup, run.engine, run.evaluator, self.shared,
+            engine = engines[args.worker_ids.index(w)]
+            worker = RolloutArgs(w, run.workers, cfg, run.setup, engine, run.evaluator, self.shared,
                                  first_group)
             self.sup.start(f"rollout-{w}", run_worker, dict(args=worker), args.threads, essential=True)
 
@@ -95,7 +118,7 @@ class GeneratorAgent:
             delivered."""
             w = int(name.split("-")[1])
             counters = self.shared.counters
-            if counters.get(w, "restarts") >= c.max_restarts \
+            if counters.get(w, "restarts") >= max_restarts \
                     or counters.get(w, "groups") == delivered_at_start[w]:
                 return False
             lost = self.shared.reclaim(w)  # its unfinished groups' starts go back to this node's lease
@@ -122,41 +145,38 @@ class GeneratorAgent:
 
         return ray.get_runtime_context().get_node_id()
 
-    def join_weights(self, init_method: str, rank: int, world: int, timeout_s: float) -> None:
-        """Join the trainer node's gloo group (rank 0 is the trainer node), leaving the one before if any:
-        every init has a deadline."""
+    def join_weights(self, host: str, port: int, prefix: str, timeout_s: float) -> None:
+        """Form this node's gloo pair with the trainer node (rank 0), whose store listens at host:port, under
+        `prefix` (a new one each time the trainer node forms it again); every step has a deadline."""
+        import ray
         import torch.distributed as dist
 
-        if self.group is not None:
-            dist.destroy_process_group()
-            self.group = None
-        import ray
+        from launch.ray_cluster import gloo_pair
 
-        from launch.ray_cluster import gloo_on
-
-        # this machine's address, where the trainer node reaches it
-        with gloo_on(ray.util.get_node_ip_address()):
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s))
-        self.group = dist.group.WORLD
+        self.pair = None  # the one before, if any: its trainer node's end was given up
+        store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
+                                                       timeout=timedelta(seconds=timeout_s)))
+        # on this machine's address, where the trainer node reaches it
+        self.pair = gloo_pair(store, 1, ray.util.get_node_ip_address(), timeout_s)
 
     def receive_weights(self, version: int) -> float:
-        """This node's end of the trainer node's broadcast of `version`, straight into its store (whose
-        readers see it once complete); the seconds it took."""
+        """This node's end of the trainer node's push of `version`, straight into its store (whose readers
+        see it once complete); the seconds it took."""
         import time
 
-        import torch.distributed as dist
-
         start = time.perf_counter()
-        store = self.shared.weights
+        store, pair = self.received, self.pair  # a pair formed again meanwhile is the next push's
         with store.writing(version):
             for buffer in store.buffers():
-                dist.broadcast(buffer, src=0)
+                pair.broadcast(buffer, 0).wait()
+        if self.publish is not None:  # a GPU node: on to its engines, as trainer rank 0 ships on one machine
+            self.publish(store.items(), version)
         return time.perf_counter() - start
 
-    def exchange(self, grant: int, room: int, wait_s: float) -> Exchange:
-        """Add `grant` leased starts; hand over up to `room` finished groups, waiting up to `wait_s` for a
-        first."""
+    def exchange(self, grant: int, room: int, wait_s: float, revoke: bool = False) -> Exchange:
+        """Take back the unused lease if `revoke`; add `grant` leased starts; hand over up to `room` finished
+        groups, waiting up to `wait_s` for a first."""
+        revoked = self.shared.gate.revoke() if revoke else 0
         if grant:
             self.shared.gate.grant(grant)
         groups = []
@@ -166,7 +186,7 @@ class GeneratorAgent:
                 break
             groups.append(group)
         return Exchange(groups, self.shared.counters.rows(list(self.args.worker_ids)),
-                        self.shared.gate.unused, self.error)
+                        self.shared.gate.unused, self.error, revoked)
 
     def exit(self) -> None:
         """End this actor's process the way a Python program ends, so that what it created goes with it: the
@@ -180,9 +200,41 @@ class GeneratorAgent:
         """Stop the node's workers; the shutdown's one line if one had to be killed."""
         late = self.sup.shutdown()
         self.watcher.join(timeout=5.0)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.group = None
+        self.pair = None
         return late
+
+
+class LocalEngines:
+    """A GPU generator node's weight path as its rollout workers see it: they keep their global ids, the path
+    numbers the node's engines from 0."""
+
+    def __init__(self, path, first_worker: int):
+        self.path, self.first = path, first_worker
+
+    def follower(self, engine, worker: int):
+        return self.path.follower(engine, worker - self.first)
+
+    def engines_ready(self) -> bool:
+        return self.path.engines_ready()
+
+
+def gpu_generation(cfg, gpus: int, meta, worker_ids: list[int], stop):
+    """A generator node's GPU plan (launch/gpu.py), generation only: one engine per cluster.tp_size of its
+    `gpus` GPUs (cluster.device=cpu: on the CPU), the engine kind rollout.engine picks on this node, weights
+    to the engines in buckets over CUDA IPC. Returns the plan, the path its workers follow, and
+    `publish(named, version)`, which the agent calls once a version has arrived whole."""
+    from engines.weight_sync import Publisher
+    from launch.gpu import GPUPlan
+    from launch.layout import generation_layout
+    from launch.plan import engine_kind
+
+    kind, _ = engine_kind(cfg.rollout.engine, "gpu")
+    dtype = "bfloat16" if cfg.cluster.device == "cuda" else cfg.rollout.dtype
+    plan = GPUPlan(generation_layout(gpus, cfg.cluster.tp_size, cfg.cluster.mem_fraction_static), "ipc",
+                   cfg.cluster.bucket_mb, False, engine_kind=kind, engine_dtype=dtype,
+                   device_type=cfg.cluster.device, cuda_graphs=cfg.rollout.cuda_graphs)
+    path = plan.weights(meta, dtype)
+    named = list(meta.state_dict().items())
+    publisher = Publisher(path, named, meta.config.tie_word_embeddings, lead=True,
+                          device=torch.device(plan.engine_device(0)), stop=stop)
+    return plan, LocalEngines(path, worker_ids[0]), publisher.publish

@@ -99,6 +99,17 @@ def plan_layout(num_gpus: int, gen_gpus: int = 0, train_gpus: int = 0, tp_size: 
     return Layout(gen, train, time_shared=False, mem_fraction_static=fraction)
 
 
+def generation_layout(num_gpus: int, tp_size: int = 1, mem_fraction: float = 0.0) -> Layout:
+    """A generator node's GPUs (cluster=ray, launch/agent.py): engines only, `tp_size` GPUs each, and no
+    trainer rank (the trainer node trains)."""
+    tp = tp_size or 1
+    if num_gpus < 1 or num_gpus % tp:
+        raise ValueError(f"a generator node's {num_gpus} GPUs must be a positive multiple of "
+                         f"cluster.tp_size={tp}")
+    gen = tuple(tuple(range(start, start + tp)) for start in range(0, num_gpus, tp))
+    return Layout(gen, (), time_shared=False, mem_fraction_static=mem_fraction or DEDICATED_MEM_FRACTION)
+
+
 def _time_shared(gen_gpus, train_gpus, tp_size, mem_fraction, model_bytes, gpu_bytes) -> Layout:
     """One GPU: one engine and one trainer rank in separate processes on GPU 0, memory split statically."""
     if gen_gpus > 1 or train_gpus > 1 or tp_size > 1:

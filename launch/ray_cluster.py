@@ -1,13 +1,13 @@
 """The Ray cluster under cluster=ray (launch/ray_nodes.py drives the nodes on it): importing Ray, the
 simulated cluster on this machine and what it leaves, the address checks, the command that joins a machine,
-and the deadline-bound `ray.get` every call goes through.
+the gloo pairs weights go over, and the deadline-bound `ray.get` every call goes through.
 """
-import contextlib
 import fcntl
 import os
 import socket
 import struct
 import time
+from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,8 +24,9 @@ def import_ray():
     return ray
 
 
-def simulated_cluster(ray_cfg):
-    """Every node of cluster.ray.nodes as a Ray node on this machine: the trainer node as the head."""
+def simulated_cluster(ray_cfg, generator_nodes: int):
+    """The nodes of cluster.ray.nodes as Ray nodes on this machine: the trainer node as the head, and the
+    first `generator_nodes` generator nodes (the others join later, as machines do: scripts/ray_join.py)."""
     from ray.cluster_utils import Cluster
 
     store = ray_cfg.object_store_mb * 2**20
@@ -34,8 +35,9 @@ def simulated_cluster(ray_cfg):
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=head.cores, object_store_memory=store, node_ip_address="127.0.0.1", include_dashboard=False,
         _system_config={"health_check_period_ms": period_ms, "health_check_failure_threshold": 3}))
-    for node in others:
-        cluster.add_node(num_cpus=node.cores, object_store_memory=store, node_ip_address="127.0.0.1")
+    for node in others[:generator_nodes]:  # a node's GPUs, simulated too: Ray's count of them
+        cluster.add_node(num_cpus=node.cores, num_gpus=node.gpus, object_store_memory=store,
+                         node_ip_address="127.0.0.1")
     return cluster
 
 
@@ -53,22 +55,27 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def gloo_on(address: str):
-    """Within it, a gloo group this process joins listens on the interface of `address`
-    (this node's Ray address), unless GLOO_SOCKET_IFNAME says otherwise: by default gloo takes what the
-    hostname resolves to, which on many machines (a container's 127.0.0.1, Debian's 127.0.1.1) is the
-    loopback, where no other machine reaches it, and the group's init ends in a connect timeout."""
-    loopback = address.startswith("127.")  # a simulated cluster: every peer is on this machine
-    name = None if loopback or os.environ.get("GLOO_SOCKET_IFNAME") else interface_of(address)
-    if name:
-        # read when the group is made; the process's other groups keep theirs
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-    try:
-        yield
-    finally:
-        if name:
-            del os.environ["GLOO_SOCKET_IFNAME"]
+def gloo_where(address: str) -> dict:
+    """Where a gloo pair this process forms listens, for a node whose Ray address is `address`: the interface
+    of that address, unless GLOO_SOCKET_IFNAME names one. By default gloo takes what the hostname resolves to,
+    which on many machines (a container's 127.0.0.1, Debian's 127.0.1.1) is the loopback, where no other
+    machine reaches it, and the pair's set-up ends in a connect timeout. A simulated cluster's peers are all
+    on the loopback."""
+    if address.startswith("127."):
+        return {"hostname": address}
+    name = os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(address)
+    return {"interface": name} if name else {"hostname": address}
+
+
+def gloo_pair(store, rank: int, address: str, timeout_s: float):
+    """A gloo group of two (the trainer node rank 0, a generator node rank 1) formed through `store`,
+    listening on `gloo_where(address)`; every operation, and the forming, within `timeout_s`."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(**gloo_where(address))]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def kill_ray_below(root: int) -> None:

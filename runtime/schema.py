@@ -32,7 +32,10 @@ class RayNode:
     # (exactly one); generator: rollout workers only, whose groups are forwarded to the trainer node
     role: str = "generator"
     cores: int = 1  # CPU cores the node's processes get (Ray reserves them; a simulated node is given them)
-    gpus: int = 0  # GPUs of the node (the GPU plan on Ray is not built yet: 0)
+    # GPUs of the node: a generator node with GPUs runs the GPU plan's generation on them (one engine per
+    # cluster.tp_size GPUs, weights to its engines over CUDA IPC; cluster.device=cpu tries it on the CPU); the
+    # trainer node computes on the CPU so far (0)
+    gpus: int = 0
     rollout_workers: int = 1  # as cluster.rollout_workers, on this node (the trainer node may have none)
     trainer_ranks: int = 0  # as cluster.trainer_ranks, on this node (the trainer node's only)
 
@@ -40,8 +43,10 @@ class RayNode:
         require(self.role in ("trainer", "generator"), f"{where}.role", "must be trainer or generator",
                 self.role)
         require(self.cores >= 1, f"{where}.cores", "must be >= 1", self.cores)
-        require(self.gpus == 0, f"{where}.gpus",
-                "must be 0: generator and trainer nodes compute on the CPU so far", self.gpus)
+        require(self.gpus >= 0, f"{where}.gpus", "must be >= 0", self.gpus)
+        require(self.gpus == 0 or self.role == "generator", f"{where}.gpus",
+                "must be 0 on the trainer node: it trains on the CPU plan so far (generator nodes may have "
+                "GPUs)", self.gpus)
         require(self.rollout_workers >= (self.role == "generator"), f"{where}.rollout_workers",
                 "must be >= 1 on a generator node and >= 0 on the trainer node", self.rollout_workers)
         require((self.trainer_ranks >= 1) == (self.role == "trainer"), f"{where}.trainer_ranks",
@@ -64,6 +69,12 @@ class RayConfig:
     health_check_period_s: float = 1.0  # how often Ray checks a node; lost after 3 missed checks
     # every ray.get and every collective's set-up: a node that does not answer is lost
     call_timeout_s: float = 120.0
+    # a generator node whose call or weight push takes longer is fenced: its lease goes back to the gate and
+    # the run goes on without waiting for it, until it answers again (launch/ray_nodes.py)
+    node_deadline_s: float = 30.0
+    # generator nodes placed before the run starts (0: all of them); each other one starts when a machine with
+    # its cores joins the cluster
+    min_nodes: int = 0
     forward_groups: int = 8  # groups one forwarding call brings from a generator node, at most
     # with every generator node lost and no rollout worker on the trainer node: how long to wait for a machine
     # to replace one (`ray start --address=...` there) before the run ends in one line; 0: end at once
@@ -83,6 +94,10 @@ class RayConfig:
         require(self.health_check_period_s > 0, "cluster.ray.health_check_period_s", "must be > 0",
                 self.health_check_period_s)
         require(self.call_timeout_s > 0, "cluster.ray.call_timeout_s", "must be > 0", self.call_timeout_s)
+        require(self.node_deadline_s > 0, "cluster.ray.node_deadline_s", "must be > 0", self.node_deadline_s)
+        require(0 <= self.min_nodes <= len(self.generator_nodes), "cluster.ray.min_nodes",
+                f"must be between 0 (all) and the {len(self.generator_nodes)} generator nodes of "
+                "cluster.ray.nodes", self.min_nodes)
         require(self.forward_groups >= 1, "cluster.ray.forward_groups", "must be >= 1", self.forward_groups)
         require(self.replace_timeout_s >= 0, "cluster.ray.replace_timeout_s", "must be >= 0",
                 self.replace_timeout_s)
@@ -134,6 +149,15 @@ class ClusterConfig:
 
     def check(self):
         self.ray.check()
+        if self.ray.enabled:
+            tp = self.tp_size or 1
+            for i, node in enumerate(self.ray.nodes):
+                if node.gpus:
+                    require(node.gpus % tp == 0 and node.rollout_workers == node.gpus // tp,
+                            f"cluster.ray.nodes[{i}].rollout_workers",
+                            f"must be {node.gpus // tp} on a node of {node.gpus} GPUs (one rollout worker "
+                            f"per engine of cluster.tp_size={tp} GPUs, which must divide them)",
+                            node.rollout_workers)
         require(self.plan in ("auto", "cpu", "gpu"), "cluster.plan", "must be auto, cpu or gpu", self.plan)
         require(self.rollout_workers >= 1, "cluster.rollout_workers", "must be >= 1", self.rollout_workers)
         require(self.trainer_ranks >= 1, "cluster.trainer_ranks", "must be >= 1", self.trainer_ranks)

@@ -150,8 +150,8 @@ class NodeCounters:
     """cluster=ray: per generator node, what the trainer node's forwarding thread counted
     (launch/ray_nodes.py), read by trainer rank 0 for each metrics row as ray/node<i>_<name>; and the weight
     broadcasts."""
-    NAMES = ("groups", "lost_groups", "restarts", "lost", "replacements", "forward_calls", "forward_s",
-             "broadcasts", "broadcast_s")
+    COUNTS = ("groups", "lost_groups", "restarts", "lost", "replacements", "fences", "written_off", "drained")
+    NAMES = (*COUNTS, "forward_calls", "forward_s", "broadcasts", "broadcast_s")
 
     def __init__(self, nodes: list[int]):
         self.nodes = list(nodes)  # each row's index in cluster.ray.nodes
@@ -162,13 +162,13 @@ class NodeCounters:
             self._table[row, self.NAMES.index(name)] = value
 
     def metrics(self) -> dict:
-        """ray/node<i>_groups, _lost_groups, _restarts, _lost, _replacements, _forward_s (a call's mean) and
-        ray/broadcasts, ray/broadcast_s (the mean), as of now."""
+        """ray/node<i>_<each of COUNTS>, _forward_s (a call's mean) and ray/broadcasts (weight pushes, every
+        node's), ray/broadcast_s (a push's mean), as of now."""
         out = {}
         for row, node in enumerate(self.nodes):
             v = dict(zip(self.NAMES, self._table[row].tolist()))
             calls = v["forward_calls"]
-            out.update({f"ray/node{node}_{name}": int(v[name]) for name in self.NAMES[:5]})  # counts
+            out.update({f"ray/node{node}_{name}": int(v[name]) for name in self.COUNTS})
             out[f"ray/node{node}_forward_s"] = v["forward_s"] / calls if calls else 0.0
         broadcasts, seconds = (self._table[0, self.NAMES.index(name)].item()
                                for name in ("broadcasts", "broadcast_s"))

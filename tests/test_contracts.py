@@ -43,7 +43,13 @@ def _sglang_engine(model_dir):
     return SGLangEngine(FakeBackend(chunk=64), max_batch=8)  # chunk >= budget: requests finish
 
 
-ENGINES = {"cpu": _cpu_engine, "sglang": _sglang_engine}
+def _simulated_engine(model_dir):
+    from engines.simulated import SimulatedEngine
+
+    return SimulatedEngine({}, vocab_size=64, max_batch=8, step_s=0.0)  # bench/ray_scaling.py's stand-in
+
+
+ENGINES = {"cpu": _cpu_engine, "sglang": _sglang_engine, "simulated": _simulated_engine}
 
 
 @pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
@@ -85,7 +91,7 @@ def test_engine_contract(make, tiny_model_dir):
 SPECS = {"cpu": ("engines.builtin", "BuiltinEngineSpec"), "sglang": ("engines.sglang", "SGLangSpec")}
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", SPECS)  # the engines that take buckets
 def test_weight_receipt_contract(name, tiny_model_dir):
     """How a version arrives, the same for every engine: begin_weights, a bucket in the form its spec's
     bucket_payloads made, adopt_weights; tokens sampled before keep the old version, those after get the new.

@@ -101,7 +101,7 @@ def test_the_launcher_asks_an_engine_s_spec_and_never_names_one():
     from engines import ENGINES
 
     names = set(ENGINES.names())
-    assert names == {"builtin", "sglang"}  # the engines, not their helper modules
+    assert names == {"builtin", "sglang", "simulated"}  # the engines, not their helper modules
     found = [f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.value!r}"
              for path in _sources("launch") + _sources("train.py")
              for node in ast.walk(ast.parse(open(path).read(), path))

@@ -115,3 +115,28 @@ def test_a_store_in_the_engines_dtype_holds_half_and_reads_what_the_engine_would
     for name in from_full:  # rounded once either way: at publication or at the engine's load
         assert torch.equal(from_half[name], from_full[name])
         assert torch.equal(from_half[name], model.state_dict()[name].to(torch.bfloat16))
+
+
+def test_a_write_cut_off_part_way_holds_readers_until_a_complete_one():
+    """A generator node's receive cut off part way (cluster=ray: its agent stopped, the link gone) leaves
+    parts of two versions in the buffers: readers wait for the next complete write, which they then read
+    (before, the failed write flipped the counter's parity and every later read waited for ever)."""
+    import threading
+
+    store = WeightStore({"w": ((4,), torch.float32)})
+    with pytest.raises(RuntimeError, match="cut off"):
+        with store.writing(1):
+            store.buffers()[0][:2] = 1.0
+            raise RuntimeError("cut off")
+    assert store.version == 0
+    read = []
+    reader = threading.Thread(target=lambda: read.append(store.read_into({"w": torch.zeros(4)})), daemon=True)
+    reader.start()
+    reader.join(timeout=0.5)
+    assert reader.is_alive() and not read  # it waits: what the store holds is no version
+    with store.writing(2):
+        store.buffers()[0].fill_(2.0)
+    reader.join(timeout=60)
+    assert read == [2]
+    target = {"w": torch.zeros(4)}
+    assert store.read_into(target) == 2 and target["w"].tolist() == [2.0] * 4
