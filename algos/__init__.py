@@ -1,16 +1,18 @@
 """Learning rules. One file per rule, each exposing `Config` (its knobs and their defaults) and `Loss`.
 
-A `Loss` is built from its Config and called on one `MicroBatch`; it returns `(loss, metrics)` where `loss`
-is this micro-batch's share of the whole batch's loss (the trainer sums the shares and backpropagates each).
-Class attributes tell the trainer what to provide: `needs_reference`, `needs_proximal`; optionally
-`sampler` ("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks), `summed_metrics` (metric
-keys that are counts, summed over micro-batches and ranks instead of averaged) and `tied_groups_learn_nothing`
-(true where a group whose K rewards all tie has zero advantage, so no loss and no gradient: the trainer then
-leaves such groups out of its passes, train.skip_tied_groups, and divides by the whole batch's counts as
-before), and `trim_group` (a function from a group to the completions the loss reads, in the order it reads
-them: the learner is given only those; online_dpo's chosen and rejected).
-Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths (`algo=<name>` finds it by its file;
-conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml sets train.lr).
+A `Loss` is built from its Config and called on one `MicroBatch`; it returns `(loss, metrics)` where `loss` is
+this micro-batch's share of the whole batch's loss (the trainer sums the shares and backpropagates each).
+Class attributes tell the trainer what to provide: `needs_reference`, `needs_proximal`; optionally `sampler`
+("fifo" or "tba", the replay buffer `buffer.sampler=auto` picks), `any_policy` (its objective holds for data
+from any policy, so buffer.sampler=tba may replay groups past max_staleness for it; launch/config.py refuses
+tba for the others), `summed_metrics` (metric keys that are counts, summed over micro-batches and ranks
+instead of averaged) and `tied_groups_learn_nothing` (true where a group whose K rewards all tie has zero
+advantage, so no loss and no gradient: the trainer then leaves such groups out of its passes,
+train.skip_tied_groups, and divides by the whole batch's counts as before), and `trim_group` (a function from
+a group to the completions the loss reads, in the order it reads them: the learner is given only those;
+online_dpo's chosen and rejected). Adding a rule: copy algos/grpo.py to algos/<name>.py and change the maths
+(`algo=<name>` finds it by its file; conf/algo/<name>.yaml only where the rule sets other keys, as tb.yaml
+sets train.lr).
 """
 import os
 from dataclasses import dataclass

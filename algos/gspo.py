@@ -1,26 +1,40 @@
 """GSPO (Zheng et al. 2025, Qwen, "Group Sequence Policy Optimization"): GRPO's clip on a sequence-level
-ratio.
+ratio, taken against the proximal policy.
 
     A_i    = (r_i - mean(r_group)) / std(r_group)                          (scale_std: false drops the
                                                                            division)
-    s_i    = exp((1/|y_i|) sum_t log(pi_theta(y_it) / pi_old(y_it)))      pi_old = pi_behav
-    l_i    = -min(s_i * A_i, clip(s_i, 1 - eps, 1 + eps_high) * A_i)
+    s_i    = exp((1/|y_i|) sum_t log(pi_theta(y_it) / pi_prox(y_it)))     pi_prox: the trainer's weights
+                                                                           before this batch's first update
+    s_it   = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)]                 (GSPO-token: the value s_i, the
+                                                                           gradient of token t)
+    l_i    = -(1/|y_i|) sum_t c_it * min(s_it * A_i, clip(s_it, 1 - eps, 1 + eps_high) * A_i)
     L      = sum_i l_i / batch_sequences
 
-The gradient flows through s_i (GSPO-token's gradient is the same, the advantage being per sequence): a
-sequence the clip cuts trains nothing. The clip range is three orders of magnitude narrower than GRPO's (the
-paper's 3e-4 / 4e-4): s_i is a length-normalised geometric mean, so it stays close to 1.
-With algo.correction (algos.PGConfig): pi_old = pi_prox and l_i is weighted by the mean of c_it, the
-correction weight, over the sequence's tokens, (1/|y_i|) sum_t c_it (the weight itself for mis_seq, which is
-per sequence). A sequence's log-ratio mean beyond +-algos.LOG_RATIO_LIMIT is clamped (algos.safe_ratio): no
-gradient past it.
+The ratio is taken against pi_prox, the trainer's own logprobs at the weights that start the batch (verl's
+old_log_prob), never the engine's: on the first update s_i is 1 up to numerics, so GSPO's narrow clip (the
+paper's 3e-4 / 4e-4: s_i is a length-normalised geometric mean) cuts sequences for what the policy moved, not
+for the engine-trainer mismatch, which alone put a third of the sequences outside it (gspo/clip_frac 0.31 at
+max_staleness=0 on the default task, 2026-12-05). c_it is 1 on the sampled tokens without algo.correction;
+with one (algos.PGConfig), the correction weight of each token: tis and mis_token weight (or drop) tokens one
+by one, so a token mis_token drops gets no gradient, while the clip still decides per sequence (s_it's value
+is s_i); mis_seq's weight is one per sequence. Without a correction (c_it = 1) the gradient is GSPO's
+sequence-level one, (1/|y_i|) sum_t s_i grad log pi_theta(y_it) where unclipped. A sequence's log-ratio mean
+beyond +-algos.LOG_RATIO_LIMIT is clamped (algos.safe_ratio): no gradient past it.
 Shapes: logprobs, behav_logprobs, prox_logprobs, mask [n, T]; rewards [n]; n = groups * K.
 """
 from dataclasses import dataclass
 
 import torch
 
-from algos import MicroBatch, PGConfig, PGLoss, clip_fractions, group_advantages, old_policy, safe_ratio
+from algos import (
+    MicroBatch,
+    PGConfig,
+    PGLoss,
+    clip_fractions,
+    correction_weights,
+    group_advantages,
+    safe_ratio,
+)
 from registry import require
 
 
@@ -38,17 +52,26 @@ class Config(PGConfig):
 
 
 class Loss(PGLoss):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.needs_proximal = True  # the ratio's denominator, with or without a correction
+
     def __call__(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
+        assert mb.prox_logprobs is not None, "gspo needs proximal logprobs"
         adv = group_advantages(mb.rewards, mb.group_size, scale=cfg.scale_std)[:, None]  # [n, 1]
-        old, weight, correction = old_policy(cfg, mb)
+        weight, correction = (mb.mask, {}) if cfg.correction == "none" else \
+            correction_weights(cfg, mb.prox_logprobs, mb.behav_logprobs, mb.mask)  # c_it [n, T]
         lengths = mb.mask.sum(1, keepdim=True)  # [n, 1]
         has_tokens = (lengths > 0).to(mb.mask.dtype)  # [n, 1]: an empty sequence has no ratio and no term
-        log_ratio = torch.where(mb.mask > 0, mb.logprobs - old, torch.zeros_like(mb.logprobs))  # [n, T]
+        log_ratio = torch.where(mb.mask > 0, mb.logprobs - mb.prox_logprobs, torch.zeros_like(mb.logprobs))
         ratio = safe_ratio(log_ratio.sum(1, keepdim=True) / lengths.clamp(min=1), has_tokens)  # s_i [n, 1]
-        seq_weight = weight.sum(1, keepdim=True) / lengths.clamp(min=1)  # mean c_it; 1 (0 if empty) with none
-        clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
-        per_seq = (-torch.min(ratio * adv, clipped * adv) * seq_weight).squeeze(1)  # [n]
+        # s_it: s_i's value, token t's gradient (0 where masked: no gradient reaches padding)
+        own = torch.where(mb.mask > 0, mb.logprobs, torch.zeros_like(mb.logprobs))
+        token_ratio = ratio.detach() * (own - own.detach()).exp()  # [n, T]
+        clipped = token_ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
+        per_token = -torch.min(token_ratio * adv, clipped * adv) * weight  # [n, T]
+        per_seq = per_token.sum(1) / lengths.clamp(min=1).squeeze(1)  # [n]
         loss = per_seq.sum() / mb.batch_sequences
         with torch.no_grad():
             sequences = has_tokens.sum().clamp(min=1).item()

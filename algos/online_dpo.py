@@ -43,6 +43,7 @@ class Config:
 class Loss:
     needs_reference = True
     needs_proximal = False
+    any_policy = True  # its objective holds for data from any policy: buffer.sampler=tba may replay for it
     summed_metrics = ("dpo/skipped_groups",)  # counts: the trainer adds them up over micro-batches and ranks
 
     def __init__(self, cfg: Config):

@@ -57,6 +57,7 @@ class Loss:
     needs_reference = True
     needs_proximal = False
     sampler = "tba"  # TB is off-policy: it learns from replayed history as well as fresh data
+    any_policy = True  # its objective holds for data from any policy: buffer.sampler=tba may replay for it
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -109,9 +109,11 @@ class ReplayBuffer:
         for i, n in enumerate(group.completion_lens.tolist()):
             key = tuple(group.completion_ids[i, :n].tolist())
             if key in history:
-                # The same text twice would double its replay weight and teach nothing new.
+                # The same text twice would double its replay weight and teach nothing new: the newest copy is
+                # kept (its logprobs and version are the latest policy's, as TBA keeps it), moved to the
+                # newest end, so that the capacity drops the oldest text first
                 self._duplicates += 1
-                continue
+                del history[key]
             history[key] = Completion(
                 token_ids=group.completion_ids[i, :n].clone(), logprobs=group.logprobs[i, :n].clone(),
                 versions=group.versions[i, :n].clone(), reward=float(group.rewards[i]),

@@ -64,7 +64,23 @@ def parse(raw) -> Config:
     except OmegaConfBaseException as e:
         raise ValueError(_one_line(e, typed)) from None
     cfg.check()
+    _check_sampler(cfg)
     return cfg
+
+
+def _check_sampler(cfg: Config) -> None:
+    """buffer.sampler=tba trains on groups older than max_staleness, replayed by reward: only a rule whose
+    objective holds for data from any policy (its Loss says `any_policy`: tb, online_dpo) is written for that;
+    a policy-gradient rule would train past its own staleness bound."""
+    import algos
+
+    loss = algos.get(cfg.algo.name).Loss
+    if cfg.buffer.sampler == "tba" and not getattr(loss, "any_policy", False):
+        able = ", ".join(n for n in algos.names() if getattr(algos.get(n).Loss, "any_policy", False))
+        raise ValueError(f"buffer.sampler=tba replays groups older than max_staleness, which algo="
+                         f"{cfg.algo.name} is not written for (its ratio or advantage assumes data within "
+                         f"the bound); use buffer.sampler=auto or fifo, or "
+                         f"algo={able.replace(', ', ' or algo=')}")
 
 
 def _schema(algo: str, task: str):

@@ -1,31 +1,47 @@
 """Embedded synthetic task: "What is a + b?" for one-digit a and b, scored on the reply's last number.
 
-SmolLM2-135M answers it right about 30% of the time at temperature 1 (the right number is often there,
-buried in chatter), so RL has room to climb. Pairs (a, b) are split by the seed into train and test.
+SmolLM2-135M answers it right about 30% of the time at temperature 1 (the right number is often there, buried
+in chatter), so RL has room to climb. Operand tuples are split by the seed into train and test. `terms` and
+`op` make it harder, the same prompt with more operands or with products: `task.terms=3 task.max_operand=5`
+starts at a greedy test pass@1 of 0.27 (64 questions; 2026-12-05), but the default recipe's reward on it rises
+for about ten steps and then falls back (docs/benchmarks.md, "Off-policy trade-offs").
 """
+import itertools
+import math
 import random
 from dataclasses import dataclass
 
 from registry import require
 from tasks import Example, Task
 
+OPS = {"+": sum, "*": math.prod}
+MAX_TUPLES = 100_000  # operand tuples a task may enumerate
+
 
 @dataclass
 class Config:
     name: str = "arithmetic"
     max_operand: int = 9  # operands drawn from 0..max_operand
-    test_size: int = 20  # (a, b) pairs held out for the test split
+    terms: int = 2  # operands in each question
+    op: str = "+"  # + (sums) or * (products)
+    test_size: int = 20  # operand tuples held out for the test split
     # the verifier: a registered name or "package.module:function" (ablations, tests)
     reward: str = "arithmetic"
 
     def check(self):
-        pairs = (self.max_operand + 1) ** 2
         require(self.max_operand >= 1, "task.max_operand", "must be >= 1", self.max_operand)
-        require(0 <= self.test_size < pairs, "task.test_size", f"must be in [0, {pairs})", self.test_size)
+        require(self.terms >= 2, "task.terms", "must be >= 2", self.terms)
+        require(self.op in OPS, "task.op", f"must be one of {', '.join(OPS)}", self.op)
+        tuples = (self.max_operand + 1) ** self.terms
+        require(tuples <= MAX_TUPLES, "task.terms",
+                f"with task.max_operand={self.max_operand} makes {tuples} questions, over {MAX_TUPLES}",
+                self.terms)
+        require(0 <= self.test_size < tuples, "task.test_size", f"must be in [0, {tuples})", self.test_size)
 
 
 def build(cfg: Config, seed: int) -> Task:
-    pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
-    random.Random(seed).shuffle(pairs)
-    examples = [Example(f"What is {a} + {b}? Reply with just the number.", str(a + b)) for a, b in pairs]
+    tuples = list(itertools.product(range(cfg.max_operand + 1), repeat=cfg.terms))
+    random.Random(seed).shuffle(tuples)
+    examples = [Example(f"What is {f' {cfg.op} '.join(map(str, t))}? Reply with just the number.",
+                        str(OPS[cfg.op](t))) for t in tuples]
     return Task(reward=cfg.reward, train=examples[cfg.test_size:], test=examples[:cfg.test_size])

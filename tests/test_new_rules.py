@@ -26,21 +26,22 @@ GSPO, CISPO = algos.get("gspo"), algos.get("cispo")
 
 # ---- GSPO ----
 
-def gspo_reference(mb, lo, hi, scale=True, old="behav_logprobs", c=None):
-    """s_i = exp(mean_t log pi/pi_old); l_i = -cbar_i min(s A, clip(s) A); L = sum_i l_i / n. Also the
-    sequences the clip cuts (s below lo with A < 0, above hi with A > 0) and the mean s."""
-    lp, old_lp, n = rows(mb, "logprobs"), rows(mb, old), len(mb.rewards)
+def gspo_reference(mb, lo, hi, scale=True, c=None):
+    """s_i = exp(mean_t log pi/pi_prox); l_i = -cbar_i min(s A, clip(s) A), each token's gradient weighted by
+    its own c_it (GSPO-token); L = sum_i l_i / n. Also the sequences the clip cuts (s below lo with A < 0,
+    above hi with A > 0) and the mean s."""
+    lp, old_lp, n = rows(mb, "logprobs"), rows(mb, "prox_logprobs"), len(mb.rewards)
     adv = group_adv(mb.rewards.tolist(), scale)
     loss, grad, cut, ratios = 0.0, [[0.0] * T for _ in range(n)], 0, []
     for i in range(n):
         length = LENGTHS[i]
         s = math.exp(sum(lp[i][t] - old_lp[i][t] for t in range(length)) / length)
         ratios.append(s)
-        cbar = sum(c[i][t] for t in range(length)) / length if c is not None else 1.0
+        weight = [c[i][t] if c is not None else 1.0 for t in range(length)]
         seq_loss, d_log_s = ppo_token(s, adv[i], lo, hi)  # d/d(log s_i); d log s_i / d logp_it = 1/|y_i|
-        loss += cbar * seq_loss / n
+        loss += sum(weight) / length * seq_loss / n
         for t in range(length):
-            grad[i][t] = cbar * d_log_s / length / n
+            grad[i][t] = weight[t] * d_log_s / length / n
         cut += (s < lo and adv[i] < 0) or (s > hi and adv[i] > 0)
     return loss, grad, cut, sum(ratios) / n
 
@@ -64,22 +65,45 @@ def test_gspo_ratio_is_per_sequence_not_per_token():
     of the sequence gets the same gradient."""
     mb = make_mb(REWARDS)
     with torch.no_grad():
-        mb.logprobs[0] = mb.behav_logprobs[0]
+        mb.logprobs[0] = mb.prox_logprobs[0]
         mb.logprobs[0, 1] += math.log(1.0001 ** 4)  # s_0 = 1.0001: inside (1 - 3e-4, 1 + 4e-4)
     _, grad, _ = run(GSPO, mb)
     assert grad[0][0] != 0.0 and grad[0] == pytest.approx([grad[0][0]] * LENGTHS[0], rel=1e-12)
 
 
+def test_gspo_takes_its_ratio_against_the_proximal_policy_not_the_engine_s():
+    """The first update of a batch: the trainer's weights are pi_prox, so every s_i is 1 and nothing is
+    clipped, however far the engine's logprobs are from the trainer's (before, the ratio was taken against
+    pi_behav and this engine-trainer mismatch alone clipped sequences)."""
+    mb = make_mb(REWARDS)
+    with torch.no_grad():
+        mb.logprobs.copy_(mb.prox_logprobs)  # behav differs from both by 0.3 x N(0, 1) a token
+    assert GSPO.Loss(GSPO.Config()).needs_proximal
+    _, grad, metrics = run(GSPO, mb)
+    assert metrics["gspo/clip_frac"] == 0.0 and metrics["gspo/ratio_mean"] == pytest.approx(1.0, abs=1e-12)
+    assert all(any(row) for row, r in zip(grad, REWARDS) if r != sum(REWARDS) / len(REWARDS))
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_gspo_with_correction_uses_proximal_and_the_mean_weight_of_each_sequence(kind):
+def test_gspo_with_correction_weights_each_token_by_its_own_correction(kind):
     mb = off_policy_mb()
     c = correction_reference(mb, kind)
-    want_loss, want_grad, _, _ = gspo_reference(mb, 0.95, 1.08, old="prox_logprobs", c=c)
-    assert GSPO.Loss(GSPO.Config(correction=kind)).needs_proximal \
-        and not GSPO.Loss(GSPO.Config()).needs_proximal
+    want_loss, want_grad, _, _ = gspo_reference(mb, 0.95, 1.08, c=c)
+    assert GSPO.Loss(GSPO.Config(correction=kind)).needs_proximal
     loss, grad, metrics = run(GSPO, mb, correction=kind, clip_eps=0.05, clip_eps_high=0.08)
     assert_close(loss, grad, want_loss, want_grad)
     assert any(k.startswith("correction/") for k in metrics)
+
+
+def test_gspo_gives_no_gradient_to_a_token_its_correction_drops():
+    """mis_token drops token (0, 0) (weight 3 > 2): it gets no gradient, while the other tokens of its
+    sequence do (before, the correction was folded into one weight per sequence, and the dropped token was
+    trained)."""
+    mb = off_policy_mb()
+    with torch.no_grad():
+        mb.logprobs.copy_(mb.prox_logprobs)  # inside the clip: every sequence with an advantage trains
+    _, grad, _ = run(GSPO, mb, correction="mis_token")
+    assert grad[0][0] == 0.0 and all(g != 0.0 for g in grad[0][1:LENGTHS[0]])
 
 
 # ---- CISPO ----
@@ -240,5 +264,6 @@ def test_registry_preset_and_defaults(name, defaults):
     assert fields[0].name == "name" and module.Config().name == name
     assert all(getattr(module.Config(), k) == v for k, v in defaults.items())
     loss_fn = module.Loss(module.Config())
-    assert loss_fn.needs_reference is False and loss_fn.needs_proximal is False
+    # GSPO's ratio is against the proximal policy, with or without a correction; CISPO's only with one
+    assert loss_fn.needs_reference is False and loss_fn.needs_proximal is (name == "gspo")
     assert parse(compose([f"algo={name}"])).algo == module.Config()  # no preset: the registry selects it

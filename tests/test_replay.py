@@ -131,6 +131,22 @@ def test_duplicates_are_not_stored_and_are_counted():
     assert buf.stats()["buffer/history"] == 6 and buf.stats()["buffer/prompts"] == 2
 
 
+def test_a_duplicate_keeps_the_newest_copy_as_tba_does():
+    """The same text sampled again later replaces its older copy in the history (the newest policy's
+    logprobs, version and reward; TBA's buffer keeps the newest), and counts as the newest for the
+    capacity."""
+    buf = _buffer("tba", recent_prob=0.0, per_prompt_capacity=3, seed=2)
+    buf.add(make_group(0, [[1, 2], [3], [4]], rewards=[0.0, 0.0, 0.0], versions=[1, 1, 1]), version=1)
+    buf.add(make_group(0, [[1, 2], [5], [6]], rewards=[1.0, 0.0, 0.0], versions=[4, 4, 4]), version=4)
+    history = buf._history[0]
+    # capacity 3: the oldest texts, (3,) and (4,), went; (1, 2) was sampled again, so it is among the newest
+    assert list(history) == [(1, 2), (5,), (6,)]
+    kept = history[(1, 2)]
+    assert kept.added_at == 4 and kept.reward == 1.0 and kept.versions.tolist() == [4, 4]
+    assert kept.logprobs.tolist() == pytest.approx([-0.1, -0.1])  # the second group's first completion
+    assert buf.stats()["buffer/duplicates_dropped"] == 1.0
+
+
 def test_replayed_groups_are_well_formed():
     gen = torch.Generator().manual_seed(0)
     buf = _buffer("tba", recent_prob=0.0, per_prompt_capacity=16, seed=5)
@@ -293,3 +309,18 @@ def test_a_replayed_completion_keeps_its_turns_rewards_and_an_older_history_its_
             j = source.index(c)
             assert g.turn_rewards[i].tolist() == [float(group.rewards[j]) if k == group.turns[j] - 1 else 0.0
                                                   for k in range(3)]
+
+
+def test_the_tba_sampler_is_refused_for_rules_written_for_data_within_the_bound():
+    """buffer.sampler=tba replays groups past max_staleness, chosen by reward: a policy-gradient rule would
+    train on them unawares (before, it was accepted); tb and online_dpo, whose objectives hold for any
+    sampling policy, take it."""
+    from launch.config import compose, parse
+
+    for name in ("grpo", "ppo", "rloo", "dapo", "gspo", "cispo"):
+        with pytest.raises(ValueError, match=f"buffer.sampler=tba replays groups older than max_staleness, "
+                                             f"which algo={name} is not written for"):
+            parse(compose([f"algo={name}", "buffer.sampler=tba"]))
+    for name in ("tb", "online_dpo"):
+        assert parse(compose([f"algo={name}", "buffer.sampler=tba"])).buffer.sampler == "tba"
+    assert parse(compose(["algo=grpo", "buffer.sampler=fifo"])).buffer.sampler == "fifo"

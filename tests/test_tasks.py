@@ -174,3 +174,28 @@ def test_a_task_sets_its_completion_budget(overrides, budget):
 
     cfg = compose(overrides)
     assert cfg.rollout.max_new_tokens == budget and cfg.rollout.group_size == 8
+
+
+def test_arithmetic_takes_more_terms_and_products_and_keeps_its_default_questions():
+    import random
+
+    from tasks.arithmetic import Config, build
+
+    default = build(Config(), seed=3)
+    pairs = [(a, b) for a in range(10) for b in range(10)]  # the task's questions before task.terms
+    random.Random(3).shuffle(pairs)
+    assert [(e.question, e.answer) for e in default.test + default.train] == \
+        [(f"What is {a} + {b}? Reply with just the number.", str(a + b)) for a, b in pairs]
+    three = build(Config(terms=3, max_operand=5, test_size=10), seed=0)
+    assert len(three.train) + len(three.test) == 6 ** 3
+    for example in three.train[:20]:
+        terms = [int(t) for t in example.question[len("What is "):].split("?")[0].split(" + ")]
+        assert len(terms) == 3 and int(example.answer) == sum(terms)
+    products = build(Config(op="*", max_operand=12), seed=0)
+    for example in products.train[:20]:
+        a, b = (int(t) for t in example.question[len("What is "):].split("?")[0].split(" * "))
+        assert int(example.answer) == a * b
+    for bad, match in [(dict(op="-"), "task.op"), (dict(terms=1), "task.terms"),
+                       (dict(terms=6, max_operand=9), "makes 1000000 questions")]:
+        with pytest.raises(ValueError, match=match):
+            Config(**bad).check()

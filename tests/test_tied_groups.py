@@ -86,3 +86,45 @@ def test_a_batch_of_ties_runs_one_group_and_changes_nothing(tiny_model_dir):
 def test_a_rule_that_learns_from_a_tie_trains_on_every_group(tiny_model_dir, rule, algo):
     metrics, _ = _step(tiny_model_dir, rule, True, MIXED, **algo)
     assert metrics["train/tied_groups_skipped"] == 0
+
+
+def test_the_entropy_term_is_the_mean_over_the_groups_trained_on(tiny_model_dir):
+    """With tied groups skipped, train.entropy_coef's term is the token-mean entropy of the groups left in:
+    the batch of those groups alone gets the same term (before, the skipped groups' tokens were counted in
+    its denominator, so the coefficient shrank as more groups tied)."""
+    groups = _groups(MIXED)
+
+    def step(batch, skip):
+        train = TrainConfig(batch_groups=len(batch), lr=1e-2, grad_clip=100.0, autocast="none",
+                            freeze_embeddings=False, skip_tied_groups=skip, entropy_coef=-0.1)
+        learner = Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
+                          rollout=RolloutConfig(group_size=K, max_new_tokens=6, temperature=1.0))
+        return learner.step(pack(batch), 1)
+
+    skipped, alone = step(groups, True), step([groups[0], groups[3]], False)
+    assert skipped["train/tied_groups_skipped"] == 2 and alone["loss/entropy"] > 0
+    assert skipped["loss/entropy"] == pytest.approx(alone["loss/entropy"], rel=1e-5)
+
+
+def test_a_pass_s_metrics_weigh_by_its_trained_tokens(tiny_model_dir):
+    """Three passes of one group each, of different lengths: a rule's metric is their token-weighted mean
+    (before, each pass weighed the same whatever its tokens)."""
+    train = TrainConfig(batch_groups=3, micro_groups=1, autocast="none", freeze_embeddings=False,
+                        skip_tied_groups=False)
+    learner = Learner(model_path=tiny_model_dir, train=train, algo=algos.get("grpo").Config(),
+                      rollout=RolloutConfig(group_size=K, max_new_tokens=6, temperature=1.0))
+    rule, seen = learner.loss_fn, []
+
+    class Probe:
+        needs_reference, needs_proximal = False, False
+
+        def __call__(self, mb):
+            loss, metrics = rule(mb)
+            seen.append((float(len(seen)), float(mb.mask.sum())))  # this pass's value: 0, 1, 2
+            return loss, {**metrics, "probe/value": seen[-1][0]}
+
+    learner.loss_fn = Probe()
+    metrics = learner.step(pack(_groups([[0.0, 1.0, 0.5], [1.0, 0.0, 0.5], [0.2, 0.1, 0.0]])), 1)
+    assert len(seen) == 3 and len({tokens for _, tokens in seen}) > 1
+    want = sum(v * t for v, t in seen) / sum(t for _, t in seen)
+    assert metrics["probe/value"] == pytest.approx(want) and want != pytest.approx(1.0)

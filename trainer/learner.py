@@ -135,6 +135,10 @@ class Learner:
             tied = sum(mb.num_groups - len(index) for mb, index in zip(minibatches, kept))
             minibatches = [mb if len(index) == mb.num_groups else mb.take(index)
                            for mb, index in zip(minibatches, kept)]
+        # the entropy term's denominator: the tokens it is summed over (a skipped tied group adds none, so
+        # counting its tokens would shrink train.entropy_coef as more groups tie)
+        totals = [(sequences, tokens, int(mb.mask.sum()))
+                  for (sequences, tokens), mb in zip(totals, minibatches)]
         plans = [self._passes(mb) for mb in minibatches]
         stats = OffPolicyStats(version=step - 1)
         # One minibatch: its first forward runs on the weights before the update, so the proximal logprobs are
@@ -165,11 +169,11 @@ class Learner:
         return {**out, **stats.metrics(self.rank.world_size, self.device)}
 
     def _update(self, batch: Batch, passes, step: int, prox, stats,
-                totals: tuple[int, int]) -> tuple[dict, list[torch.Tensor]]:
-        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass
-        (None: the forward's) and the sequences and tokens of the whole minibatch, tied groups included
-        (the loss's denominators). Returns the step's metrics and the forward's logprobs per pass, detached
-        (the weights before the step)."""
+                totals: tuple[int, int, int]) -> tuple[dict, list[torch.Tensor]]:
+        """One optimizer step on `batch` (a minibatch), given its proximal logprobs per pass (None: the
+        forward's) and the sequences and tokens of the whole minibatch, tied groups included (the loss's
+        denominators), and the tokens of the groups it trains on (the entropy term's). Returns the step's
+        metrics and the forward's logprobs per pass, detached (the weights before the step)."""
         loss, metrics, tokens, forwards = self._forward_backward(batch, passes, step, prox, stats, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -231,9 +235,13 @@ class Learner:
                 prox[-1].append(logprobs)
         return prox
 
-    def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int]):
+    def _forward_backward(self, batch: Batch, passes, step: int, prox, stats, totals: tuple[int, int, int]):
         world_size = self.rank.world_size
         total_loss, sums, count, tokens, shared = torch.zeros((), device=self.device), {}, 0, 0, 0
+        # A pass's metrics weigh by its trained tokens (a pass of 10 tokens says less about the clip fraction
+        # than one of 90); a rule's counts, and each pass's share of the entropy term, add up.
+        summed = set(getattr(self.loss_fn, "summed_metrics", ())) | {"loss/entropy"}
+        weighted, trained = {}, 0.0
         coef = self.train.entropy_coef
         forwards = []
         for i, (start, stop) in enumerate(passes):
@@ -260,30 +268,36 @@ class Learner:
                 max_new_tokens=self.rollout.max_new_tokens, step=step - 1,
                 ref_logprobs=ref, prox_logprobs=mb_prox, turn_ids=mb.turn_ids, turn_rewards=mb.turn_rewards,
                 turns=mb.turns))
-            if coef:  # - coef x the minibatch's token-mean entropy (its tokens: the loss's own denominator)
-                term = -coef * (entropy * mb.mask).sum() / totals[1]
+            if coef:  # - coef x the token-mean entropy of the groups trained on (not the skipped tied ones)
+                term = -coef * (entropy * mb.mask).sum() / max(totals[2], 1)
                 loss = loss + term
                 metrics = {**metrics, "loss/entropy": term.item()}
             # FSDP2 averages gradients over ranks; each rank holds a share of the batch loss, so scale back
             # up.
             (loss * world_size).backward()
             total_loss += loss.detach()
+            weight = float(mb.mask.sum())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
+                weighted[k] = weighted.get(k, 0.0) + v * weight
             count += 1
+            trained += weight
             tokens += mb.num_tokens
         keys = sorted(sums)
-        # each pass's share of the term
-        summed = set(getattr(self.loss_fn, "summed_metrics", ())) | {"loss/entropy"}
-        means = [sums[k] if k in summed else sums[k] / max(count, 1) / world_size for k in keys]
-        packed = torch.tensor([total_loss.item(), tokens, shared] + means, dtype=torch.float64)
+        packed = torch.tensor([total_loss.item(), tokens, shared, count, trained]
+                              + [sums[k] for k in keys] + [weighted[k] for k in keys], dtype=torch.float64)
         if world_size > 1:
             packed = packed.to(self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(packed)
             packed = packed.cpu()
+        count, trained = packed[3].item(), packed[4].item()
+        plain, by_tokens = packed[5:5 + len(keys)].tolist(), packed[5 + len(keys):].tolist()
+        # every rank's passes together; passes with no trained token at all: their plain mean
+        means = [p if k in summed else w / trained if trained else p / max(count, 1)
+                 for k, p, w in zip(keys, plain, by_tokens)]
         # train/shared_prefix_tokens: of train/tokens, those the passes left to one row's copy of the prompts'
         # common prefix (train.share_prefix), which the learner's MFU does not count as computed
-        metrics = {**dict(zip(keys, packed[3:].tolist())), "train/shared_prefix_tokens": int(packed[2])}
+        metrics = {**dict(zip(keys, means)), "train/shared_prefix_tokens": int(packed[2])}
         return packed[0].float(), metrics, int(packed[1]), forwards
 
     def optimizer_state(self) -> dict:
