@@ -1,22 +1,45 @@
-"""Off-policy trade-offs: staleness against the learning rule, and updates per batch, on the same 2 cores.
+"""Off-policy trade-offs: the three seed papers' claims decided on a task hard enough to tell rules apart, and
+the wider grid of every rule against staleness.
 
-    python -m bench.offpolicy [--steps 10] [--seeds 0,1,2] [--etas 0,2,8] [--out bench_out/offpolicy]
+    python -m bench.offpolicy [--grid claims|rules] [--steps N] [--seeds 0,1,...] [--etas 0,8] [--out DIR]
                               [--report-only]
 
-The grid, each point once per seed (Hydra multiruns of `train.py`, one per rule variant):
-    max_staleness in {0, 2, 8}  x  {ppo (decoupled), ppo naive (algo.decoupled=false), grpo, dapo, gspo,
-                                    cispo, online_dpo, tb}
-    ppo (decoupled) with train.minibatches=4 at max_staleness=2
-on the default arithmetic task and model, at a reduced size (COMMON below) so that the grid takes about an
-hour on 2 cores. Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread) and
-draws offpolicy.png: the reward of each step's fresh groups and the greedy test pass@1, against training
-wall-clock (evaluation time taken out), one panel per rule, one colour per max_staleness, a band between the
-seeds.
-Then the seeds' three claims, each marked reproduced, not reproduced or not distinguishable from the test
-pass@1 at eta 8 (`claims` below), and
-`offpolicy_decoupled_vs_naive=<ppo's final test pass@1 at eta=8 / naive ppo's>`. `--etas 0,8` leaves out the
-middle column (and the minibatches=4 row, which is at eta 2): the claims need only 0 and 8. A bench that
-stopped part way, or a wider `--etas` later, reruns only the (variant, eta) columns with a missing run.
+`--grid claims` (the default): the harder arithmetic setting (HARDER below: three operands of 0..5, lr 1e-5;
+the untrained model's greedy test pass@1 is 0.27), the default batch (4 prompts x 8 samples), 20 steps, six
+seeds, max_staleness 0 and 8, and only the rules the claims compare: decoupled PPO (8 only: naive PPO),
+online DPO, PPO, GRPO, RLOO, TB with its replay (`buffer.sampler` auto: tba) and TB without it
+(`buffer.sampler=fifo`). Test pass@1 on the 64 held-out questions every 5 steps. About 70 minutes on 2 cores.
+`--grid rules`: every rule at max_staleness 0, 2 and 8 on the default task at a quarter batch (GRIDS below),
+10 steps, three seeds, plus decoupled PPO at `train.minibatches=4` at eta 2: about an hour.
+
+Prints one Markdown table (each figure as the mean over seeds, with the seeds' spread), draws
+offpolicy.png (the reward of each step's fresh groups and the greedy test pass@1 against training wall-clock,
+evaluation time taken out, one panel per rule, one colour per max_staleness, a band between the seeds), then a
+verdict per claim, and `offpolicy_decoupled_vs_naive=<decoupled PPO's figure at eta 8 / naive PPO's>`. A
+bench that stopped part way, or more seeds or etas later, reruns only the (variant, eta) columns with a
+missing run.
+
+The decision rule, written down on 2026-12-05 before the claims grid first ran:
+
+- A run's figure is its greedy test pass@1 averaged over the evaluations in the second half of training
+  (steps 10, 15 and 20 of 20: 3 x 64 answers). Comparisons are paired by seed: a seed fixes the test split and
+  the order of the training prompts for every rule and eta.
+- A rule's drop is, per seed, its figure at max_staleness 0 minus its figure at 8.
+- "A beats B" over n seeds of the paired difference d (mean m, standard error se, t the one-sided 95%
+  Student quantile at n - 1 degrees of freedom): holds when m - t.se > 0; does not hold when m + t.se <
+  DELTA = 0.05 (an advantage of 3 test questions in 64 or more is ruled out); undecided otherwise, and then
+  the seeds that would decide it at this spread are printed (the n at which t.sd / sqrt(n) is under the
+  distance from m to the nearer bound).
+- AReaL, "decoupled PPO stays stable under staleness where naive PPO degrades": decoupled PPO beats naive PPO
+  at max_staleness 8 (d = figure(ppo) - figure(ppo_naive)).
+- Asynchronous RLHF, "online DPO is the most robust to off-policy data": online DPO's drop is smaller than
+  PPO's, GRPO's and RLOO's (for each rival, d = drop(rival) - drop(online_dpo)). Holds when all three hold,
+  does not hold when any does not, undecided otherwise.
+- TBA, "trajectory balance with its replay stays robust far off-policy": TB's drop is smaller than GRPO's
+  (d = drop(grpo) - drop(tb)) and than TB's own without the replay (d = drop(tb_fifo) - drop(tb)). Holds when
+  both hold, does not hold when either does not, undecided otherwise.
+- Each rule's drop is printed with its interval as well, so that "no rule degrades" reads apart from "this
+  rule degrades less".
 """
 import argparse
 import json
@@ -27,25 +50,33 @@ import sys
 from launch.summary import completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ETAS = (0, 2, 8)
-VARIANTS = {  # name -> overrides; each runs at every eta
-    "ppo": ["algo=ppo"],
-    "ppo_naive": ["algo=ppo", "algo.decoupled=false"],
-    "grpo": ["algo=grpo"],
-    "dapo": ["algo=dapo"],
-    "gspo": ["algo=gspo"],
-    "cispo": ["algo=cispo"],
-    "online_dpo": ["algo=online_dpo"],
-    "tb": ["algo=tb"],
+ETAS = (0, 2, 8)  # the plot's colours
+HARDER = ["task.terms=3", "task.max_operand=5", "task.test_size=64", "train.lr=1e-5"]
+GRIDS = {
+    # name -> variants {name: (overrides, etas)}, overrides common to all, steps, seeds
+    "claims": ({"ppo": (["algo=ppo"], (0, 8)),
+                "ppo_naive": (["algo=ppo", "algo.decoupled=false"], (8,)),
+                "grpo": (["algo=grpo"], (0, 8)),
+                "rloo": (["algo=rloo"], (0, 8)),
+                "online_dpo": (["algo=online_dpo"], (0, 8)),
+                "tb": (["algo=tb"], (0, 8)),
+                "tb_fifo": (["algo=tb", "buffer.sampler=fifo"], (0, 8))},
+               [*HARDER, "eval.every=5", "eval.k=1", "progress=false", "checkpoint.at_end=false"],
+               20, "0,1,2,3,4,5"),
+    # 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an
+    # hour on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
+    "rules": ({**{name: ([f"algo={name}"], ETAS) for name in ("ppo", "grpo", "dapo", "gspo", "cispo",
+                                                               "online_dpo", "tb")},
+               "ppo_naive": (["algo=ppo", "algo.decoupled=false"], ETAS),
+               "ppo_m4": (["algo=ppo", "train.minibatches=4"], (2,))},
+              ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.max_examples=32",
+               "eval.k=1", "progress=false", "checkpoint.at_end=false"],
+              10, "0,1,2"),
 }
-EXTRA = {"ppo_m4": (["algo=ppo", "train.minibatches=4"], (2,))}  # name -> overrides, etas
-# 4 prompts x 4 samples a step, a quarter of the default batch, so that 10 steps x 32 runs fit in about an
-# hour on 2 cores; the test split cut to its first 32 questions, evaluated every 5 steps.
-COMMON = ["train.batch_groups=4", "rollout.group_size=4", "eval.every=5", "eval.max_examples=32", "eval.k=1",
-          "progress=false", "checkpoint.at_end=false"]
 
 
-def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str) -> None:
+def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str,
+                common: list[str]) -> None:
     sweep_dir = os.path.join(out, name)
     etas = [e for e in etas
             if not all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for s in seeds)]
@@ -53,7 +84,7 @@ def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: 
         print(f"{name}: done before, kept", flush=True)
         return
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
-           f"seed={','.join(map(str, seeds))}", f"steps={steps}", *overrides, *COMMON,
+           f"seed={','.join(map(str, seeds))}", f"steps={steps}", *overrides, *common,
            f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir='eta=${max_staleness},seed=${seed}'"]
     print(" ".join(cmd[1:]), flush=True)
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -69,13 +100,14 @@ def load(run_dir: str) -> dict:
     """One run's curves and figures."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    evals, clock, curve, tests = 0.0, [], [], []
+    evals, clock, curve, tests, late = 0.0, [], [], [], []
     for r in rows:
         evals += r.get("perf/eval_s", 0.0)
         clock.append(r["time_s"] - evals)  # training time: the evaluation pauses training, the same for all
         curve.append(r["reward_mean"])
         if "eval_pass@1" in r:
             tests.append((clock[-1], r["eval_pass@1"]))
+            late += [r["eval_pass@1"]] if 2 * r["step"] >= len(rows) else []
     third = max(len(rows) // 3, 1)
 
     def mean(key):
@@ -83,7 +115,8 @@ def load(run_dir: str) -> dict:
         return sum(values) / len(values) if values else None
 
     return {"clock": clock, "reward": curve, "tests": tests, "reward_last_third": sum(curve[-third:]) / third,
-            "pass@1": tests[-1][1] if tests else None, "s_per_step": clock[-1] / len(rows),
+            "pass@1": tests[-1][1] if tests else None, "figure": sum(late) / len(late) if late else None,
+            "s_per_step": clock[-1] / len(rows),
             "staleness": mean("staleness_mean"), "dropped": sum(r["staleness/dropped_groups"] for r in rows),
             "offpolicy_kl": mean("offpolicy/kl"), "mismatch_kl": mean("mismatch/kl"),
             "ess": mean("offpolicy/ess"),
@@ -106,59 +139,106 @@ def _mean(values):
 
 
 def table(results: dict) -> str:
-    lines = ["| rule | max_staleness | reward, last third | test pass@1, end | s/step (training) | "
+    lines = ["| rule | max_staleness | reward, last third | test pass@1, end | test pass@1, 2nd half | "
+             "s/step (training) | "
              "mean staleness | groups dropped | KL(behav ‖ trainer), old tokens | "
-             "mismatch KL, fresh tokens | ESS | clip frac | entropy |", "| --- " * 12 + "|"]
+             "mismatch KL, fresh tokens | ESS | clip frac | entropy |", "| --- " * 13 + "|"]
     for (name, eta), runs in results.items():
         def f(key, fmt="{:.2f}"):
             value = _mean([r[key] for r in runs])
             return "-" if value is None else fmt.format(value)
         lines.append(f"| {name} | {eta} | {_spread([r['reward_last_third'] for r in runs])} | "
-                     f"{_spread([r['pass@1'] for r in runs])} | {f('s_per_step', '{:.1f}')} | "
+                     f"{_spread([r['pass@1'] for r in runs])} | {_spread([r['figure'] for r in runs])} | "
+                     f"{f('s_per_step', '{:.1f}')} | "
                      f"{f('staleness')} | {f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | "
                      f"{f('mismatch_kl', '{:.1e}')} | {f('ess')} | {f('clip_frac', '{:.3f}')} | "
                      f"{f('entropy')} |")
     return "\n".join(lines)
 
 
-# (who, what they claim, the rule, the rule it beats at eta 8 or None: robust = no worse at eta 8 than at
-# eta 0)
-CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades", "ppo",
-           "ppo_naive"),
-          ("Asynchronous RLHF", "online DPO is robust to off-policy data", "online_dpo", None),
-          ("TBA", "trajectory balance with replay is robust to off-policy data", "tb", None)]
-NOISY = 0.10  # half-spreads adding up to more than this (3 test questions of 32) decide nothing
+DELTA = 0.05  # the smallest gap in the figure worth a claim: 3 test questions of 64
+# one-sided 95% Student quantiles by degrees of freedom; past 10, the normal's
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 
 
-def _pass(runs) -> tuple[float, float]:
-    """Mean final test pass@1 over the seeds, and half their spread."""
-    values = [r["pass@1"] for r in runs if r["pass@1"] is not None]
-    return sum(values) / len(values), (max(values) - min(values)) / 2
+def _t(n: int) -> float:
+    return T95.get(n - 1, 1.645)
+
+
+def beats(d: list[float]) -> tuple[str, str]:
+    """The pre-written rule (the docstring) on one paired difference, "A's figure minus B's" per seed: the
+    verdict, and what was seen (the mean, the interval and, when undecided, the seeds that would decide
+    it)."""
+    n = len(d)
+    m = sum(d) / n
+    sd = _sd(d)
+    half = _t(n) * sd / n ** 0.5
+    seen = f"{m:+.3f}, interval {m - half:+.3f} .. {m + half:+.3f} over {n} seeds"
+    if m - half > 0:
+        return "holds", seen
+    if m + half < DELTA:
+        return "does not hold", seen
+    gap = max(m, DELTA - m)  # the distance to the bound m leans towards
+    need = next((k for k in range(2, 1000) if _t(k) * sd / k ** 0.5 < gap), None)
+    return "undecided", seen + (f"; about {need} seeds would decide it at this spread" if need else "")
+
+
+def _figures(results, name, eta) -> dict:
+    return {r["seed"]: r["figure"] for r in results.get((name, eta), []) if r["figure"] is not None}
+
+
+def _paired(a: dict, b: dict) -> list[float]:
+    return [a[s] - b[s] for s in sorted(a.keys() & b.keys())]
+
+
+def _drop(results, name) -> dict:
+    at0, at8 = _figures(results, name, 0), _figures(results, name, 8)
+    return {s: at0[s] - at8[s] for s in at0.keys() & at8.keys()}
+
+
+# who, what they claim, and the paired differences that must all hold: (what, name, eta or "drop" , name)
+CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades",
+           [("decoupled PPO beats naive PPO at eta 8", "ppo", 8, "ppo_naive")]),
+          ("Asynchronous RLHF", "online DPO is the most robust to off-policy data",
+           [(f"online DPO drops less than {rival}", rival, "drop", "online_dpo")
+            for rival in ("ppo", "grpo", "rloo")]),
+          ("TBA", "trajectory balance with its replay stays robust far off-policy",
+           [("TB drops less than grpo", "grpo", "drop", "tb"),
+            ("TB drops less than TB without its replay", "tb_fifo", "drop", "tb")])]
 
 
 def claims(results: dict) -> list[str]:
-    """One line per claim: reproduced when the rule at eta 8 beats `against` at eta 8 (or, without one, is no
-    worse than itself at eta 0) by more than the seeds' half-spreads together; not reproduced when it loses by
-    more; not distinguishable when the gap is inside them, or the spreads are too wide to read."""
+    """A verdict line per claim under the pre-written rule, and a line per comparison under it; a claim whose
+    runs are missing from this grid is left out. Then each rule's drop from eta 0 to eta 8."""
     lines = []
-    for who, what, rule, against in CLAIMS:
-        if (rule, 8) not in results or (rule, 0) not in results:
-            continue
-        mean8, spread8 = _pass(results[(rule, 8)])
-        if against:
-            other, spread_o = _pass(results[(against, 8)])
-            gap, noise = mean8 - other, spread8 + spread_o
-            seen = f"{mean8:.2f} ± {spread8:.2f} vs {against} {other:.2f} ± {spread_o:.2f} at eta 8"
-            verdict = "reproduced" if gap > noise and noise <= NOISY else \
-                "not reproduced" if gap < -noise else "not distinguishable"
+    for who, what, parts in CLAIMS:
+        found = []
+        for text, a, how, b in parts:
+            if how == "drop":
+                d = _paired(_drop(results, a), _drop(results, b))
+            else:
+                d = _paired(_figures(results, a, how), _figures(results, b, how))
+            if len(d) < 2:
+                break
+            found.append((text, *beats(d)))
         else:
-            mean0, spread0 = _pass(results[(rule, 0)])
-            drop, noise = mean0 - mean8, spread8 + spread0
-            seen = f"{mean8:.2f} ± {spread8:.2f} at eta 8 vs {mean0:.2f} ± {spread0:.2f} at eta 0"
-            verdict = "not reproduced" if drop > noise else \
-                "not distinguishable" if noise > NOISY else "reproduced"
-        lines.append(f"{who}: {what}: {verdict} (test pass@1 {seen})")
+            verdicts = [v for _, v, _ in found]
+            verdict = "does not hold" if "does not hold" in verdicts else \
+                "holds" if set(verdicts) == {"holds"} else "undecided"
+            lines.append(f"{who}: {what}: {verdict}")
+            lines += [f"    {text}: {v} ({seen})" for text, v, seen in found]
+    names = sorted({name for name, eta in results if eta == 0 and (name, 8) in results})
+    for name in names:
+        drop = list(_drop(results, name).values())
+        if len(drop) > 1:
+            m, half = sum(drop) / len(drop), _t(len(drop)) * _sd(drop) / len(drop) ** 0.5
+            lines.append(f"drop of {name}, eta 0 -> 8: {m:+.3f}, interval {m - half:+.3f} .. {m + half:+.3f}")
     return lines
+
+
+def _sd(values):
+    m = sum(values) / len(values)
+    return (sum((x - m) ** 2 for x in values) / (len(values) - 1)) ** 0.5
 
 
 def plot(results: dict, png: str) -> None:
@@ -167,7 +247,7 @@ def plot(results: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(VARIANTS)
+    panels = list(dict.fromkeys("ppo" if name == "ppo_m4" else name for name, _ in results))
     fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7), sharey="row", squeeze=False)
     colors = {0: "tab:blue", 2: "tab:orange", 8: "tab:red"}
     for (name, eta), runs in results.items():
@@ -201,39 +281,43 @@ def plot(results: dict, png: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--etas", default=",".join(map(str, ETAS)), help=f"a subset of {ETAS}")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench_out", "offpolicy"))
+    parser.add_argument("--grid", choices=list(GRIDS), default="claims")
+    parser.add_argument("--steps", type=int, help="default: the grid's (claims 20, rules 10)")
+    parser.add_argument("--seeds", help="default: the grid's (claims 0..5, rules 0,1,2)")
+    parser.add_argument("--etas", help="a subset of the grid's (claims 0,8; rules 0,2,8)")
+    parser.add_argument("--out", help="default: bench_out/offpolicy_<grid>")
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    chosen = [int(e) for e in args.etas.split(",")]
-    if not set(chosen) <= set(ETAS):
-        sys.exit(f"error: --etas {args.etas}: choose from {','.join(map(str, ETAS))} (the plot's colours)")
-    grid = {name: (overrides, ETAS) for name, overrides in VARIANTS.items()} | EXTRA
+    variants, common, steps, seeds = GRIDS[args.grid]
+    steps = args.steps or steps
+    seeds = [int(s) for s in (args.seeds or seeds).split(",")]
+    out = args.out or os.path.join(ROOT, "bench_out", f"offpolicy_{args.grid}")
+    offered = sorted({e for _, etas in variants.values() for e in etas})
+    chosen = [int(e) for e in args.etas.split(",")] if args.etas else offered
+    if not set(chosen) <= set(offered):
+        sys.exit(f"error: --etas {args.etas}: choose from {','.join(map(str, offered))} "
+                 f"(the {args.grid} grid's)")
     grid = {name: (overrides, tuple(e for e in etas if e in chosen))
-            for name, (overrides, etas) in grid.items()}
+            for name, (overrides, etas) in variants.items()}
     grid = {name: entry for name, entry in grid.items() if entry[1]}
     if not args.report_only:
         for name, (overrides, etas) in grid.items():
-            run_variant(name, overrides, etas, seeds, args.steps, args.out)
-    results = {(name, eta): [load(os.path.join(args.out, name, _subdir(eta, s))) for s in seeds]
+            run_variant(name, overrides, etas, seeds, steps, out, common)
+    results = {(name, eta): [{**load(os.path.join(out, name, _subdir(eta, s))), "seed": s} for s in seeds]
                for name, (_, etas) in grid.items() for eta in etas}
-    print(f"\n{args.steps} steps of 4 prompts x 4 samples, seeds {args.seeds}; mean over seeds ± "
-          "half their spread\n")
+    print(f"\n{args.grid} grid: {steps} steps, {' '.join(common)}, seeds {','.join(map(str, seeds))}; "
+          "mean over seeds ± half their spread\n")
     print(table(results))
-    png = os.path.join(args.out, "offpolicy.png")
+    png = os.path.join(out, "offpolicy.png")
     plot(results, png)
     print(f"\nplot: {png}\n")
     for line in claims(results):
         print(line)
-    if ("ppo", 8) not in results:
-        return
-    # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not
-    ratio = _mean([r["pass@1"] for r in results[("ppo", 8)]]) / \
-        max(_mean([r["pass@1"] for r in results[("ppo_naive", 8)]]), 1e-9)
-    print(f"offpolicy_decoupled_vs_naive={ratio:.2f}")
+    if ("ppo", 8) in results and ("ppo_naive", 8) in results:
+        # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not
+        ratio = _mean([r["figure"] for r in results[("ppo", 8)]]) / \
+            max(_mean([r["figure"] for r in results[("ppo_naive", 8)]]), 1e-9)
+        print(f"offpolicy_decoupled_vs_naive={ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -44,30 +44,44 @@ def test_table_and_plot_show_the_seeds_spread(tmp_path):
 
 
 def _runs(*values):
-    return [{"pass@1": v} for v in values]
+    return [{"seed": seed, "figure": v} for seed, v in enumerate(values)]
 
 
-def test_claims_are_judged_against_the_seeds_spread():
-    results = {("ppo", 0): _runs(0.9, 0.9, 0.9), ("ppo", 8): _runs(0.80, 0.78, 0.82),
-               # decoupled beats naive by far more than the spreads
-               ("ppo_naive", 8): _runs(0.40, 0.45, 0.42),
-               # drops
-               ("online_dpo", 0): _runs(0.90, 0.92, 0.91), ("online_dpo", 8): _runs(0.60, 0.62, 0.61),
-               # within a wide spread
-               ("tb", 0): _runs(0.5, 0.9, 0.7), ("tb", 8): _runs(0.6, 0.7, 0.8)}
-    lines = offpolicy.claims(results)
-    assert [line.split(": ")[0] for line in lines] == ["AReaL", "Asynchronous RLHF", "TBA"]
-    assert ": reproduced (" in lines[0] and ": not reproduced (" in lines[1] \
-        and ": not distinguishable (" in lines[2]
-    results[("ppo_naive", 8)] = _runs(0.78, 0.80, 0.82)
-    results[("tb", 0)], results[("tb", 8)] = _runs(0.72, 0.70, 0.71), _runs(0.68, 0.70, 0.72)  # no drop
-    lines = offpolicy.claims(results)
-    assert ": not distinguishable (" in lines[0] and ": reproduced (" in lines[2]
+def test_beats_holds_fails_or_asks_for_seeds_under_the_written_rule():
+    """m - t.se > 0 holds; m + t.se < 0.05 does not hold; in between undecided, with the seeds that would
+    decide it at this spread (t at 2 degrees of freedom 2.920, at 9 seeds 1.860)."""
+    assert offpolicy.beats([0.10, 0.12, 0.11])[0] == "holds"
+    assert offpolicy.beats([0.0, 0.01, -0.01])[0] == "does not hold"
+    verdict, seen = offpolicy.beats([0.10, -0.02, 0.04])  # m 0.04, sd 0.06: needs t.sd/sqrt(n) < 0.04
+    assert verdict == "undecided" and "about 9 seeds would decide it" in seen
+    assert offpolicy.beats([0.02, 0.04, 0.03])[0] == "holds"  # small but sure: "holds" is read first
+
+
+def test_claims_take_paired_differences_and_need_every_part():
+    rules = ("ppo", "grpo", "rloo", "online_dpo", "tb", "tb_fifo")
+    # every rival drops 0.2 at each seed, online DPO and TB none; naive PPO is 0.2 under decoupled at eta 8
+    r = {**{(rule, 0): _runs(0.5, 0.4, 0.45) for rule in rules},
+         **{(rule, 8): _runs(0.3, 0.2, 0.25) for rule in ("ppo", "grpo", "rloo", "tb_fifo")},
+         ("online_dpo", 8): _runs(0.5, 0.4, 0.45), ("tb", 8): _runs(0.5, 0.4, 0.45),
+         ("ppo_naive", 8): _runs(0.10, 0.01, 0.04)}
+    lines = offpolicy.claims(r)
+    heads = [line for line in lines if not line.startswith(("    ", "drop of"))]
+    assert heads == ["AReaL: decoupled PPO stays stable under staleness where naive PPO degrades: holds",
+                     "Asynchronous RLHF: online DPO is the most robust to off-policy data: holds",
+                     "TBA: trajectory balance with its replay stays robust far off-policy: holds"]
+    assert "drop of tb_fifo, eta 0 -> 8: +0.200" in "\n".join(lines)
+    # TB's replay makes no difference: one part does not hold, so the claim does not
+    r[("tb_fifo", 8)] = _runs(0.5, 0.4, 0.45)
+    assert "TBA: trajectory balance with its replay stays robust far off-policy: does not hold" in \
+        offpolicy.claims(r)
+    # naive PPO's runs missing: AReaL's claim is left out, not judged on nothing
+    del r[("ppo_naive", 8)]
+    assert not any(line.startswith("AReaL") for line in offpolicy.claims(r))
 
 
 def test_etas_outside_the_grid_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["offpolicy", "--etas", "0,3", "--report-only", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--etas 0,3: choose from 0,2,8"):
+    with pytest.raises(SystemExit, match="--etas 0,3: choose from 0,8 .the claims grid's."):
         offpolicy.main()
 
 
@@ -80,8 +94,8 @@ def test_a_wider_grid_later_runs_only_the_missing_columns(monkeypatch, tmp_path)
     calls = []
     monkeypatch.setattr(offpolicy.subprocess, "run", lambda cmd, **_: calls.append(cmd) or
                         type("Done", (), {"returncode": 0})())
-    offpolicy.run_variant("ppo", ["algo=ppo"], (0, 8), [0, 1], 3, str(tmp_path))
-    assert len(calls) == 1 and "max_staleness=8" in calls[0]
+    offpolicy.run_variant("ppo", ["algo=ppo"], (0, 8), [0, 1], 3, str(tmp_path), offpolicy.GRIDS["claims"][1])
+    assert len(calls) == 1 and "max_staleness=8" in calls[0] and "task.terms=3" in calls[0]
     calls.clear()
-    offpolicy.run_variant("ppo", ["algo=ppo"], (0,), [0, 1], 3, str(tmp_path))
+    offpolicy.run_variant("ppo", ["algo=ppo"], (0,), [0, 1], 3, str(tmp_path), [])
     assert calls == []
