@@ -1,8 +1,8 @@
 """Off-policy trade-offs: the three seed papers' claims decided on a task hard enough to tell rules apart, and
 the wider grid of every rule against staleness.
 
-    python -m bench.offpolicy [--grid claims|rules] [--steps N] [--seeds 0,1,...] [--etas 0,8] [--out DIR]
-                              [--report-only]
+    python -m bench.offpolicy [--grid claims|rules] [--steps N] [--seeds 0,1,...] [--etas 0,8]
+                              [--rules ppo,rloo,...] [--out DIR] [--report-only]
 
 `--grid claims` (the default): the harder arithmetic setting (HARDER below: three operands of 0..5, lr 1e-5;
 the untrained model's greedy test pass@1 is 0.27), the default batch (4 prompts x 8 samples), 20 steps, six
@@ -16,8 +16,8 @@ Prints one Markdown table (each figure as the mean over seeds, with the seeds' s
 offpolicy.png (the reward of each step's fresh groups and the greedy test pass@1 against training wall-clock,
 evaluation time taken out, one panel per rule, one colour per max_staleness, a band between the seeds), then a
 verdict per claim, and `offpolicy_decoupled_vs_naive=<decoupled PPO's figure at eta 8 / naive PPO's>`. A
-bench that stopped part way, or more seeds or etas later, reruns only the (variant, eta) columns with a
-missing run.
+bench that stopped part way, or more seeds or etas later, runs only the (variant, eta, seed) points with no
+completed run.
 
 The decision rule, written down on 2026-12-05 before the claims grid first ran:
 
@@ -77,19 +77,25 @@ GRIDS = {
 
 def run_variant(name: str, overrides: list[str], etas, seeds: list[int], steps: int, out: str,
                 common: list[str]) -> None:
+    """Run the (eta, seed) points of one variant that have no completed run: one Hydra multirun per set of
+    etas missing the same seeds, so that a run already done is never run again (and never overwritten)."""
     sweep_dir = os.path.join(out, name)
-    etas = [e for e in etas
-            if not all(completed(os.path.join(sweep_dir, _subdir(e, s)), steps) for s in seeds)]
-    if not etas:
+    missing = {}  # missing seeds -> the etas that miss them
+    for e in etas:
+        todo = tuple(s for s in seeds if not completed(os.path.join(sweep_dir, _subdir(e, s)), steps))
+        if todo:
+            missing.setdefault(todo, []).append(e)
+    if not missing:
         print(f"{name}: done before, kept", flush=True)
-        return
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m", f"max_staleness={','.join(map(str, etas))}",
-           f"seed={','.join(map(str, seeds))}", f"steps={steps}", *overrides, *common,
-           f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir='eta=${max_staleness},seed=${seed}'"]
-    print(" ".join(cmd[1:]), flush=True)
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"error: the {name} sweep failed:\n{result.stderr[-2000:]}")
+    for todo, todo_etas in missing.items():
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "-m",
+               f"max_staleness={','.join(map(str, todo_etas))}", f"seed={','.join(map(str, todo))}",
+               f"steps={steps}", *overrides, *common, f"hydra.sweep.dir={sweep_dir}",
+               "hydra.sweep.subdir='eta=${max_staleness},seed=${seed}'"]
+        print(" ".join(cmd[1:]), flush=True)
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if result.returncode != 0:
+            sys.exit(f"error: the {name} sweep failed:\n{result.stderr[-2000:]}")
 
 
 def _subdir(eta: int, seed: int) -> str:
@@ -142,7 +148,7 @@ def table(results: dict) -> str:
     lines = ["| rule | max_staleness | reward, last third | test pass@1, end | test pass@1, 2nd half | "
              "s/step (training) | "
              "mean staleness | groups dropped | KL(behav ‖ trainer), old tokens | "
-             "mismatch KL, fresh tokens | ESS | clip frac | entropy |", "| --- " * 13 + "|"]
+             "mismatch KL, fresh tokens | ESS | clip frac | entropy | seeds |", "| --- " * 14 + "|"]
     for (name, eta), runs in results.items():
         def f(key, fmt="{:.2f}"):
             value = _mean([r[key] for r in runs])
@@ -152,7 +158,7 @@ def table(results: dict) -> str:
                      f"{f('s_per_step', '{:.1f}')} | "
                      f"{f('staleness')} | {f('dropped', '{:.0f}')} | {f('offpolicy_kl', '{:.4f}')} | "
                      f"{f('mismatch_kl', '{:.1e}')} | {f('ess')} | {f('clip_frac', '{:.3f}')} | "
-                     f"{f('entropy')} |")
+                     f"{f('entropy')} | {len(runs)} |")
     return "\n".join(lines)
 
 
@@ -285,6 +291,7 @@ def main():
     parser.add_argument("--steps", type=int, help="default: the grid's (claims 20, rules 10)")
     parser.add_argument("--seeds", help="default: the grid's (claims 0..5, rules 0,1,2)")
     parser.add_argument("--etas", help="a subset of the grid's (claims 0,8; rules 0,2,8)")
+    parser.add_argument("--rules", help="only these of the grid's variants, e.g. ppo,rloo (default: all)")
     parser.add_argument("--out", help="default: bench_out/offpolicy_<grid>")
     parser.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     args = parser.parse_args()
@@ -300,11 +307,20 @@ def main():
     grid = {name: (overrides, tuple(e for e in etas if e in chosen))
             for name, (overrides, etas) in variants.items()}
     grid = {name: entry for name, entry in grid.items() if entry[1]}
+    if args.rules:
+        unknown = set(args.rules.split(",")) - set(grid)
+        if unknown:
+            sys.exit(f"error: --rules {args.rules}: {','.join(sorted(unknown))} not in the {args.grid} grid "
+                     f"(choose from {','.join(grid)})")
+        grid = {name: entry for name, entry in grid.items() if name in args.rules.split(",")}
     if not args.report_only:
         for name, (overrides, etas) in grid.items():
             run_variant(name, overrides, etas, seeds, steps, out, common)
-    results = {(name, eta): [{**load(os.path.join(out, name, _subdir(eta, s))), "seed": s} for s in seeds]
+    # a run that did not complete (a bench stopped part way, read with --report-only) is left out
+    results = {(name, eta): [{**load(os.path.join(out, name, _subdir(eta, s))), "seed": s} for s in seeds
+                             if completed(os.path.join(out, name, _subdir(eta, s)), steps)]
                for name, (_, etas) in grid.items() for eta in etas}
+    results = {key: runs for key, runs in results.items() if runs}
     print(f"\n{args.grid} grid: {steps} steps, {' '.join(common)}, seeds {','.join(map(str, seeds))}; "
           "mean over seeds ± half their spread\n")
     print(table(results))
@@ -313,11 +329,12 @@ def main():
     print(f"\nplot: {png}\n")
     for line in claims(results):
         print(line)
-    if ("ppo", 8) in results and ("ppo_naive", 8) in results:
+    decoupled, naive = _figures(results, "ppo", 8), _figures(results, "ppo_naive", 8)
+    both = decoupled.keys() & naive.keys()
+    if both:
         # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not
-        ratio = _mean([r["figure"] for r in results[("ppo", 8)]]) / \
-            max(_mean([r["figure"] for r in results[("ppo_naive", 8)]]), 1e-9)
-        print(f"offpolicy_decoupled_vs_naive={ratio:.2f}")
+        ratio = sum(decoupled[s] for s in both) / max(sum(naive[s] for s in both), 1e-9)
+        print(f"offpolicy_decoupled_vs_naive={ratio:.2f} (seeds both ran: {len(both)})")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Add a node to a simulated cluster=ray cluster (cluster.ray.address="": every node on this machine, on
 127.0.0.1), in the foreground until Ctrl-C or SIGTERM, as `ray start --address=... --block` adds a machine to
 a real cluster. `ray start` cannot join a simulated one: it turns 127.0.0.1 into this machine's address, where
-the simulated nodes do not listen. A run whose generator nodes are all lost prints this command, so that their
-replacement can be tried on one machine (tests/test_ray.py does).
+the simulated nodes do not listen, and the head's GCS listens on 127.0.0.1 alone (`--address=127.0.0.2:PORT`
+timed out, Ray 2.60); with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 it refuses to start a worker node. So this
+script, for a simulated cluster only, starts the node through Ray's own `Node` class (`ray._private`, not a
+public API); a real machine joins with the public `ray start --address=HEAD:6379 --block` (docs/cluster.md). A
+run whose generator nodes are all lost prints this command, so that their replacement can be tried on one
+machine (tests/test_ray.py does).
 
     python -m scripts.ray_join --address=127.0.0.1:PORT --num-cpus=1 --object-store-memory=BYTES
 """

@@ -85,7 +85,7 @@ def test_etas_outside_the_grid_are_refused(monkeypatch, tmp_path):
         offpolicy.main()
 
 
-def test_a_wider_grid_later_runs_only_the_missing_columns(monkeypatch, tmp_path):
+def test_a_wider_grid_later_runs_only_the_missing_points(monkeypatch, tmp_path):
     for seed in (0, 1):  # eta 0 complete for both seeds, eta 8 for one
         for eta in (0, 8) if seed == 0 else (0,):
             folder = tmp_path / "ppo" / f"eta={eta},seed={seed}"
@@ -95,7 +95,32 @@ def test_a_wider_grid_later_runs_only_the_missing_columns(monkeypatch, tmp_path)
     monkeypatch.setattr(offpolicy.subprocess, "run", lambda cmd, **_: calls.append(cmd) or
                         type("Done", (), {"returncode": 0})())
     offpolicy.run_variant("ppo", ["algo=ppo"], (0, 8), [0, 1], 3, str(tmp_path), offpolicy.GRIDS["claims"][1])
+    # eta 8 misses seed 1 alone: seed 0's run there is neither run again nor overwritten
     assert len(calls) == 1 and "max_staleness=8" in calls[0] and "task.terms=3" in calls[0]
+    assert [arg for arg in calls[0] if arg.startswith("seed=")] == ["seed=1"]
+    calls.clear()
+    offpolicy.run_variant("ppo", ["algo=ppo"], (0, 8), [0, 1, 2], 3, str(tmp_path), [])  # a third seed
+    assert sorted((c[3], c[4]) for c in calls) == [("max_staleness=0", "seed=2"),
+                                                   ("max_staleness=8", "seed=1,2")]
     calls.clear()
     offpolicy.run_variant("ppo", ["algo=ppo"], (0,), [0, 1], 3, str(tmp_path), [])
     assert calls == []
+
+
+def test_report_only_reads_the_runs_that_completed_and_unknown_rules_are_refused(monkeypatch, tmp_path,
+                                                                                  capsys):
+    for eta, seed, done in ((0, 0, True), (0, 1, True), (8, 0, True), (8, 1, False)):
+        folder = tmp_path / "ppo" / f"eta={eta},seed={seed}"
+        _run(folder, [0.1, 0.2, 0.3], seed_shift=0.1 * seed)
+        (folder / "summary.json").write_text(json.dumps({"status": "completed" if done else "error",
+                                                         "steps": 3}))
+    monkeypatch.setattr("sys.argv", ["offpolicy", "--report-only", "--steps", "3", "--seeds", "0,1",
+                                     "--rules", "ppo", "--out", str(tmp_path)])
+    offpolicy.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ppo |")]
+    # eta 8's second seed stopped part way: one seed read there, both at eta 0
+    assert rows[0].endswith("| 2 |") and rows[1].endswith("| 1 |") and len(rows) == 2
+    monkeypatch.setattr("sys.argv", ["offpolicy", "--report-only", "--rules", "ppo,sac",
+                                     "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--rules ppo,sac: sac not in the claims grid"):
+        offpolicy.main()
