@@ -321,6 +321,9 @@ def main():
                              if completed(os.path.join(out, name, _subdir(eta, s)), steps)]
                for name, (_, etas) in grid.items() for eta in etas}
     results = {key: runs for key, runs in results.items() if runs}
+    if not results:
+        sys.exit(f"error: no completed run of the {args.grid} grid in {out} at these seeds and steps; run it "
+                 "without --report-only")
     print(f"\n{args.grid} grid: {steps} steps, {' '.join(common)}, seeds {','.join(map(str, seeds))}; "
           "mean over seeds ± half their spread\n")
     print(table(results))

@@ -124,3 +124,9 @@ def test_report_only_reads_the_runs_that_completed_and_unknown_rules_are_refused
                                      "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--rules ppo,sac: sac not in the claims grid"):
         offpolicy.main()
+
+
+def test_report_only_with_no_completed_run_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["offpolicy", "--grid", "rules", "--report-only", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no completed run of the rules grid in .*; run it without"):
+        offpolicy.main()
