@@ -19,7 +19,7 @@ verdict per claim, and `offpolicy_decoupled_vs_naive=<decoupled PPO's figure at 
 bench that stopped part way, or more seeds or etas later, runs only the (variant, eta, seed) points with no
 completed run.
 
-The decision rule, written down on 2026-12-05 before the claims grid first ran:
+The decision rule, written down on 2026-12-05 before the claims grid first ran (its code: bench/claims.py):
 
 - A run's figure is its greedy test pass@1 averaged over the evaluations in the second half of training
   (steps 10, 15 and 20 of 20: 3 x 64 answers). Comparisons are paired by seed: a seed fixes the test split and
@@ -47,6 +47,7 @@ import os
 import subprocess
 import sys
 
+from bench.claims import claims, figures
 from launch.summary import completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,91 +163,6 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-DELTA = 0.05  # the smallest gap in the figure worth a claim: 3 test questions of 64
-# one-sided 95% Student quantiles by degrees of freedom; past 10, the normal's
-T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
-
-
-def _t(n: int) -> float:
-    return T95.get(n - 1, 1.645)
-
-
-def beats(d: list[float]) -> tuple[str, str]:
-    """The pre-written rule (the docstring) on one paired difference, "A's figure minus B's" per seed: the
-    verdict, and what was seen (the mean, the interval and, when undecided, the seeds that would decide
-    it)."""
-    n = len(d)
-    m = sum(d) / n
-    sd = _sd(d)
-    half = _t(n) * sd / n ** 0.5
-    seen = f"{m:+.3f}, interval {m - half:+.3f} .. {m + half:+.3f} over {n} seeds"
-    if m - half > 0:
-        return "holds", seen
-    if m + half < DELTA:
-        return "does not hold", seen
-    gap = max(m, DELTA - m)  # the distance to the bound m leans towards
-    need = next((k for k in range(2, 1000) if _t(k) * sd / k ** 0.5 < gap), None)
-    return "undecided", seen + (f"; about {need} seeds would decide it at this spread" if need else "")
-
-
-def _figures(results, name, eta) -> dict:
-    return {r["seed"]: r["figure"] for r in results.get((name, eta), []) if r["figure"] is not None}
-
-
-def _paired(a: dict, b: dict) -> list[float]:
-    return [a[s] - b[s] for s in sorted(a.keys() & b.keys())]
-
-
-def _drop(results, name) -> dict:
-    at0, at8 = _figures(results, name, 0), _figures(results, name, 8)
-    return {s: at0[s] - at8[s] for s in at0.keys() & at8.keys()}
-
-
-# who, what they claim, and the paired differences that must all hold: (what, name, eta or "drop" , name)
-CLAIMS = [("AReaL", "decoupled PPO stays stable under staleness where naive PPO degrades",
-           [("decoupled PPO beats naive PPO at eta 8", "ppo", 8, "ppo_naive")]),
-          ("Asynchronous RLHF", "online DPO is the most robust to off-policy data",
-           [(f"online DPO drops less than {rival}", rival, "drop", "online_dpo")
-            for rival in ("ppo", "grpo", "rloo")]),
-          ("TBA", "trajectory balance with its replay stays robust far off-policy",
-           [("TB drops less than grpo", "grpo", "drop", "tb"),
-            ("TB drops less than TB without its replay", "tb_fifo", "drop", "tb")])]
-
-
-def claims(results: dict) -> list[str]:
-    """A verdict line per claim under the pre-written rule, and a line per comparison under it; a claim whose
-    runs are missing from this grid is left out. Then each rule's drop from eta 0 to eta 8."""
-    lines = []
-    for who, what, parts in CLAIMS:
-        found = []
-        for text, a, how, b in parts:
-            if how == "drop":
-                d = _paired(_drop(results, a), _drop(results, b))
-            else:
-                d = _paired(_figures(results, a, how), _figures(results, b, how))
-            if len(d) < 2:
-                break
-            found.append((text, *beats(d)))
-        else:
-            verdicts = [v for _, v, _ in found]
-            verdict = "does not hold" if "does not hold" in verdicts else \
-                "holds" if set(verdicts) == {"holds"} else "undecided"
-            lines.append(f"{who}: {what}: {verdict}")
-            lines += [f"    {text}: {v} ({seen})" for text, v, seen in found]
-    names = sorted({name for name, eta in results if eta == 0 and (name, 8) in results})
-    for name in names:
-        drop = list(_drop(results, name).values())
-        if len(drop) > 1:
-            m, half = sum(drop) / len(drop), _t(len(drop)) * _sd(drop) / len(drop) ** 0.5
-            lines.append(f"drop of {name}, eta 0 -> 8: {m:+.3f}, interval {m - half:+.3f} .. {m + half:+.3f}")
-    return lines
-
-
-def _sd(values):
-    m = sum(values) / len(values)
-    return (sum((x - m) ** 2 for x in values) / (len(values) - 1)) ** 0.5
-
-
 def plot(results: dict, png: str) -> None:
     import matplotlib
 
@@ -332,7 +248,7 @@ def main():
     print(f"\nplot: {png}\n")
     for line in claims(results):
         print(line)
-    decoupled, naive = _figures(results, "ppo", 8), _figures(results, "ppo_naive", 8)
+    decoupled, naive = figures(results, "ppo", 8), figures(results, "ppo_naive", 8)
     both = decoupled.keys() & naive.keys()
     if both:
         # the fresh groups' reward at eta = 8 describes a policy several versions old; the test split does not

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from bench import offpolicy
+from bench import claims, offpolicy
 
 
 def _run(path, rewards, eval_s=5.0, seed_shift=0.0):
@@ -50,11 +50,11 @@ def _runs(*values):
 def test_beats_holds_fails_or_asks_for_seeds_under_the_written_rule():
     """m - t.se > 0 holds; m + t.se < 0.05 does not hold; in between undecided, with the seeds that would
     decide it at this spread (t at 2 degrees of freedom 2.920, at 9 seeds 1.860)."""
-    assert offpolicy.beats([0.10, 0.12, 0.11])[0] == "holds"
-    assert offpolicy.beats([0.0, 0.01, -0.01])[0] == "does not hold"
-    verdict, seen = offpolicy.beats([0.10, -0.02, 0.04])  # m 0.04, sd 0.06: needs t.sd/sqrt(n) < 0.04
+    assert claims.beats([0.10, 0.12, 0.11])[0] == "holds"
+    assert claims.beats([0.0, 0.01, -0.01])[0] == "does not hold"
+    verdict, seen = claims.beats([0.10, -0.02, 0.04])  # m 0.04, sd 0.06: needs t.sd/sqrt(n) < 0.04
     assert verdict == "undecided" and "about 9 seeds would decide it" in seen
-    assert offpolicy.beats([0.02, 0.04, 0.03])[0] == "holds"  # small but sure: "holds" is read first
+    assert claims.beats([0.02, 0.04, 0.03])[0] == "holds"  # small but sure: "holds" is read first
 
 
 def test_claims_take_paired_differences_and_need_every_part():
@@ -64,7 +64,7 @@ def test_claims_take_paired_differences_and_need_every_part():
          **{(rule, 8): _runs(0.3, 0.2, 0.25) for rule in ("ppo", "grpo", "rloo", "tb_fifo")},
          ("online_dpo", 8): _runs(0.5, 0.4, 0.45), ("tb", 8): _runs(0.5, 0.4, 0.45),
          ("ppo_naive", 8): _runs(0.10, 0.01, 0.04)}
-    lines = offpolicy.claims(r)
+    lines = claims.claims(r)
     heads = [line for line in lines if not line.startswith(("    ", "drop of"))]
     assert heads == ["AReaL: decoupled PPO stays stable under staleness where naive PPO degrades: holds",
                      "Asynchronous RLHF: online DPO is the most robust to off-policy data: holds",
@@ -73,10 +73,10 @@ def test_claims_take_paired_differences_and_need_every_part():
     # TB's replay makes no difference: one part does not hold, so the claim does not
     r[("tb_fifo", 8)] = _runs(0.5, 0.4, 0.45)
     assert "TBA: trajectory balance with its replay stays robust far off-policy: does not hold" in \
-        offpolicy.claims(r)
+        claims.claims(r)
     # naive PPO's runs missing: AReaL's claim is left out, not judged on nothing
     del r[("ppo_naive", 8)]
-    assert not any(line.startswith("AReaL") for line in offpolicy.claims(r))
+    assert not any(line.startswith("AReaL") for line in claims.claims(r))
 
 
 def test_etas_outside_the_grid_are_refused(monkeypatch, tmp_path):
